@@ -1,0 +1,52 @@
+# ddplab: every target creates what it needs on a fresh machine first.
+#   make report   run every case notebook and publish reports/ (HTML, index, Markdown)
+#   make test     the test suite (real process groups, papermill, headless Chromium)
+#   make lab      JupyterLab with the "ddplab" kernel registered
+#   make bench    benchmarks: ratios measured side by side in one run
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.ddplab-installed
+# The CPU build of torch lies on local disk; pinning it first keeps pip from
+# resolving the package's range to a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup report test lab bench browser clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
+	$(PY) -m pip install --quiet "$(TORCH)" 2>&1 | grep -v "is ignored" || true
+	$(PY) -m pip install --quiet -e ".[lab,fabric,test]" 2>&1 | grep -v "is ignored" || true
+	$(PY) -c "import ddplab, torch, numba, papermill, nbconvert" 
+	$(PY) -m ipykernel install --sys-prefix --name ddplab --display-name "Python (ddplab)" >/dev/null
+	touch $(STAMP)
+
+# Debian's Chromium for the report and explorer page tests; best effort when
+# the machine gives no root (those tests then skip and say why).
+browser:
+	@command -v chromium >/dev/null 2>&1 || \
+	  { apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } || \
+	    echo "note: could not install chromium; browser tests will be skipped"; }
+
+report: $(STAMP)
+	$(PY) -m ddplab report
+
+# pytest exits 5 when it collects nothing (e.g. a filtered run): that is not a pass.
+test: $(STAMP) browser
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+
+bench: $(STAMP)
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) reports .pytest_cache

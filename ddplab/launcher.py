@@ -1,0 +1,605 @@
+"""Launch W torch.distributed ranks from a notebook cell and collect what they did.
+
+:func:`launch` runs ``fn(*args, **kwargs)`` on every rank with the default
+process group initialized, and returns a :class:`LaunchResult`: per-rank
+return values, captured stdout/stderr, wall time and the tidy table of every
+record the ranks emitted (streamed while they run).
+
+Why the machinery:
+
+* Ranks are started from a *forkserver* that preloads torch. A plain ``fork``
+  of a parent that already ran torch ops copies a locked OpenMP/MKL state and
+  the child hangs in its first matmul; ``spawn`` is safe but re-imports torch
+  on every launch (seconds). The forkserver imports torch once per notebook
+  kernel, so repeat launches cost tens of milliseconds.
+* ``fn`` is pickled by value (cloudpickle), so functions and lambdas defined
+  in a notebook or ``__main__`` work.
+* Each launch gets its own TCPStore on an OS-chosen port, so concurrent
+  launches never share a rendezvous.
+* The parent waits on one pipe per rank and on the process sentinels at once:
+  an exception, a death by signal or a hang is seen the moment it happens,
+  every rank is stopped, and records emitted before the failure are kept on
+  the exception (``err.result.records``).
+
+Example::
+
+    >>> import torch, torch.distributed as dist
+    >>> def total(x):
+    ...     t = torch.tensor([float(x + dist.get_rank())])
+    ...     dist.all_reduce(t)
+    ...     return t.item()
+    >>> launch(total, world_size=4, args=(1,)).returns
+    [10.0, 10.0, 10.0, 10.0]
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import faulthandler
+import multiprocessing
+import multiprocessing.connection as mpc
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import cloudpickle
+
+from ddplab import records as _records
+from ddplab.rank import check_backend
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "launch",
+    "Launch",
+    "LaunchResult",
+    "LaunchError",
+    "RankFailed",
+    "RankDied",
+    "LaunchTimeout",
+    "LaunchStopped",
+]
+
+#: Seconds before a launch is declared hung; far below gloo's 30-minute default.
+DEFAULT_TIMEOUT = 300.0
+#: Grace given to a rank between SIGTERM and SIGKILL when stopping a launch.
+STOP_GRACE = 1.0
+#: Modules the forkserver imports once, so that every rank starts warm.
+FORKSERVER_PRELOAD = ["ddplab.launcher"]
+#: How many lines of a stuck rank's Python stack go into a timeout message.
+STACK_LINES = 30
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """What a launch produced. Partial (``returns`` has ``None``) on failure."""
+
+    world_size: int
+    backend: str
+    returns: list
+    stdout: list[str]
+    stderr: list[str]
+    wall_time: float
+    exitcodes: list[int | None]
+    record_list: list[dict] = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def records(self):
+        """Every record the ranks emitted, as the tidy DataFrame."""
+        return _records.to_frame(self.record_list)
+
+    def __repr__(self) -> str:
+        return (f"LaunchResult(world_size={self.world_size}, backend={self.backend!r}, "
+                f"wall_time={self.wall_time:.2f}s, records={len(self.record_list)})")
+
+
+class LaunchError(RuntimeError):
+    """A launch did not complete; ``result`` holds what was recorded until then."""
+
+    def __init__(self, message: str, result: LaunchResult):
+        super().__init__(message)
+        self.result = result
+
+    @property
+    def records(self):
+        return self.result.records
+
+
+class RankFailed(LaunchError):
+    """A rank raised; ``rank``, ``exc_type`` and ``remote_traceback`` say where and why."""
+
+    def __init__(self, message, result, rank: int, exc_type: str, remote_traceback: str):
+        super().__init__(message, result)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+class RankDied(LaunchError):
+    """A rank's process ended without a result (killed by a signal, or os._exit)."""
+
+    def __init__(self, message, result, rank: int, exitcode: int | None):
+        super().__init__(message, result)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class LaunchTimeout(LaunchError):
+    """The launch ran past its timeout: some ranks never returned."""
+
+    def __init__(self, message, result, returned: list[int], pending: list[int],
+                 last_records: dict[int, dict | None], stacks: dict[int, str]):
+        super().__init__(message, result)
+        self.returned = returned
+        self.pending = pending
+        self.last_records = last_records
+        self.stacks = stacks
+
+
+class LaunchStopped(LaunchError):
+    """The launch was stopped on request (:meth:`Launch.stop`)."""
+
+
+# --------------------------------------------------------------------------- child side
+
+
+def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: int,
+               conn, lifeline, out_path: str, err_path: str, threads: int,
+               environ: dict, sys_path: list, cwd: str, collective_timeout: float) -> None:
+    """Entry point of a rank process (runs in a child of the forkserver)."""
+    # Capture at the file-descriptor level so C++ output (gloo, NCCL) lands too.
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    # The parent asks for every thread's stack with SIGUSR1 when diagnosing a hang.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # The forkserver was started with the parent's environment of back then;
+    # ranks must see the parent's environment of now (NCCL_ALGO set in a cell).
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = sys_path
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass
+
+    def _watch_parent() -> None:
+        # The parent never writes to the lifeline: EOF means it is gone, and an
+        # orphaned rank must not wait in a collective for 30 minutes.
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        os._exit(70)
+
+    threading.Thread(target=_watch_parent, name="ddplab-lifeline", daemon=True).start()
+
+    send_lock = threading.Lock()
+
+    def _send(msg) -> None:
+        # Comm hooks may emit from autograd threads; one message at a time.
+        with send_lock:
+            conn.send(msg)
+
+    _records.set_sink(lambda rec: _send(("record", rec)))
+    code = 0
+    try:
+        import torch
+        import torch.distributed as dist
+        from ddplab.rank import setup_rank, teardown_rank
+
+        torch.set_num_threads(threads)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=collective_timeout))
+        setup_rank(rank, world_size, backend, store=store, timeout=collective_timeout)
+        fn, args, kwargs = cloudpickle.loads(payload)
+        value = fn(*args, **kwargs)
+        try:
+            blob = cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent verbatim
+            raise TypeError(f"rank {rank}'s return value could not be pickled: {exc}") from exc
+        _send(("result", blob))
+        teardown_rank()
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        code = 1
+        tb = traceback.format_exc()
+        try:
+            _send(("error", {"type": type(exc).__name__, "message": str(exc), "traceback": tb}))
+        except Exception:  # noqa: BLE001 - the pipe may be gone with the parent
+            pass
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            # Skip interpreter teardown: stray threads (gloo, user code) must
+            # not keep a finished rank alive.
+            os._exit(code)
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def _validate(fn, world_size, backend, timeout, args, kwargs):
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_backend(backend, world_size)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(args, (tuple, list)):
+        raise ValueError(f"args must be a tuple or list, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+
+
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+def _stack_from_dump(stderr_text: str) -> str:
+    """The last faulthandler dump in a rank's stderr (its stack at the timeout)."""
+    marker = stderr_text.rfind("Thread 0x")
+    first = stderr_text.find("Thread 0x") if marker >= 0 else -1
+    if first < 0:
+        marker = stderr_text.rfind("Stack (most recent call first)")
+        return _tail(stderr_text[marker:], STACK_LINES) if marker >= 0 else ""
+    return _tail(stderr_text[first:], STACK_LINES * 4)
+
+
+class Launch:
+    """One launch of W ranks; :func:`launch` is ``Launch(...).start().wait()``.
+
+    Use the object directly to run in the background (the explorer does):
+    ``start()`` returns at once, ``wait()`` blocks for the result, ``stop()``
+    (from any thread) ends every rank and makes ``wait()`` raise
+    :class:`LaunchStopped`.
+    """
+
+    def __init__(self, fn: Callable, world_size: int = 2, backend: str = "gloo", *,
+                 args: tuple = (), kwargs: dict | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, threads_per_rank: int | None = None,
+                 env: dict[str, str] | None = None,
+                 on_record: Callable[[dict], None] | None = None,
+                 progress: int | None = None, progress_desc: str | None = None):
+        _validate(fn, world_size, backend, timeout, args, kwargs)
+        if progress is not None and (not isinstance(progress, int) or progress < 1):
+            raise ValueError(f"progress must be the expected number of steps (int >= 1), got {progress!r}")
+        try:
+            self._payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"fn and its arguments must be picklable (cloudpickle): {exc}") from exc
+        self.fn_name = getattr(fn, "__qualname__", repr(fn))
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = float(timeout)
+        cpus = os.cpu_count() or 1
+        self.threads_per_rank = threads_per_rank or max(1, cpus // world_size)
+        self.env = {k: str(v) for k, v in (env or {}).items()}
+        self.on_record = on_record
+        self.progress = progress
+        self.progress_desc = progress_desc or self.fn_name
+        self._procs: list = []
+        self._conns: list = []
+        self._lifelines: list = []
+        self._stop_r, self._stop_w = None, None
+        self._tmpdir: tempfile.TemporaryDirectory | None = None
+        self._store = None
+        self._records: list[dict] = []
+        self._returns: list = [None] * world_size
+        self._returned: set[int] = set()
+        self._last_record: dict[int, dict] = {}
+        self._t0 = 0.0
+        self._stop_requested = threading.Event()
+        self._bar = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> "Launch":
+        """Start every rank and return immediately."""
+        import torch.distributed as dist
+
+        ctx = _context()
+        self._t0 = time.perf_counter()
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="ddplab-launch-")
+        # The parent hosts this launch's store on a port the OS picks: no two
+        # launches can ever meet at the same rendezvous.
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
+                                    wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self.timeout + 60))
+        port = self._store.port
+        self._stop_r, self._stop_w = ctx.Pipe(duplex=False)
+        environ = {**os.environ, **self.env}
+        try:
+            for rank in range(self.world_size):
+                recv_end, send_end = ctx.Pipe(duplex=False)
+                life_r, life_w = ctx.Pipe(duplex=False)
+                out_path = os.path.join(self._tmpdir.name, f"rank{rank}.out")
+                err_path = os.path.join(self._tmpdir.name, f"rank{rank}.err")
+                proc = ctx.Process(
+                    target=_rank_main, name=f"ddplab-rank{rank}",
+                    args=(self._payload, rank, self.world_size, self.backend, port,
+                          send_end, life_r, out_path, err_path, self.threads_per_rank,
+                          environ, list(sys.path), os.getcwd(), self.timeout + 30))
+                proc.start()
+                # Close our copies of the child's ends so that EOF means "rank gone".
+                send_end.close()
+                life_r.close()
+                self._procs.append(proc)
+                self._conns.append(recv_end)
+                self._lifelines.append(life_w)
+        except BaseException:
+            self._shutdown()
+            raise
+        if self.progress:
+            from ddplab.progress import progress_bar
+            self._bar = progress_bar(total=self.progress, desc=self.progress_desc)
+        return self
+
+    def stop(self) -> None:
+        """Ask a running launch to end every rank (safe from any thread)."""
+        self._stop_requested.set()
+        if self._stop_w is not None:
+            try:
+                self._stop_w.send(None)
+            except OSError:
+                pass
+
+    def wait(self) -> LaunchResult:
+        """Block until every rank returned; raise a :class:`LaunchError` otherwise."""
+        if not self._procs:
+            raise RuntimeError("Launch.wait() before start()")
+        try:
+            self._loop()
+        except BaseException:
+            self._shutdown()
+            raise
+        self._shutdown()
+        return self._result()
+
+    # -- the event loop ---------------------------------------------------------------
+
+    def _handle(self, rank: int, msg) -> None:
+        kind, body = msg
+        if kind == "record":
+            self._records.append(body)
+            self._last_record[rank] = body
+            if self.on_record is not None:
+                self.on_record(body)
+            if self._bar is not None and rank == 0 and body.get("step") is not None:
+                self._bar.update(max(0, min(self.progress, body["step"] + 1) - self._bar.n))
+                self._bar.set_postfix_str(f"{body['metric']}={body['value']:.6g}", refresh=False)
+        elif kind == "result":
+            self._returns[rank] = cloudpickle.loads(body)
+            self._returned.add(rank)
+        elif kind == "error":
+            self._fail_rank(rank, body)
+
+    def _drain(self, rank: int) -> None:
+        conn = self._conns[rank]
+        try:
+            while conn.poll():
+                self._handle(rank, conn.recv())
+        except (EOFError, OSError):
+            pass
+
+    def _loop(self) -> None:
+        conn_rank = {id(c): r for r, c in enumerate(self._conns)}
+        sentinel_rank = {p.sentinel: r for r, p in enumerate(self._procs)}
+        open_conns = set(conn_rank)
+        exited: set[int] = set()
+        deadline = self._t0 + self.timeout
+        while len(self._returned) < self.world_size:
+            waitables = [c for c in self._conns if id(c) in open_conns]
+            waitables += [p.sentinel for r, p in enumerate(self._procs) if r not in exited]
+            waitables.append(self._stop_r)
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                self._fail_timeout()
+            ready = mpc.wait(waitables, timeout=min(remaining, 1.0))
+            if self._stop_requested.is_set():
+                self._fail_stopped()
+            for obj in ready:
+                if obj is self._stop_r:
+                    continue
+                if isinstance(obj, int):
+                    rank = sentinel_rank[obj]
+                    exited.add(rank)
+                    # Messages sent just before exit may still sit in the pipe.
+                    self._drain(rank)
+                    open_conns.discard(id(self._conns[rank]))
+                    if rank not in self._returned:
+                        self._fail_died(rank)
+                    continue
+                rank = conn_rank[id(obj)]
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    open_conns.discard(id(obj))
+                    continue
+                self._handle(rank, msg)
+
+    # -- failures -----------------------------------------------------------------------
+
+    def _partial(self) -> LaunchResult:
+        self._shutdown()
+        return self._result()
+
+    def _fail_rank(self, rank: int, info: dict) -> None:
+        result = self._partial()
+        message = (f"rank {rank} of {self.world_size} raised {info['type']}: {info['message']}\n"
+                   f"--- remote traceback (rank {rank}) ---\n{info['traceback'].rstrip()}")
+        err_tail = _tail(result.stderr[rank], 15)
+        if err_tail.strip():
+            message += f"\n--- rank {rank} stderr (last lines) ---\n{err_tail}"
+        raise RankFailed(message, result, rank, info["type"], info["traceback"])
+
+    def _fail_died(self, rank: int) -> None:
+        code = self._procs[rank].exitcode
+        result = self._partial()
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        elif code == 70:
+            how = "exited because its parent went away"
+        else:
+            how = f"exited with code {code} without returning"
+        message = f"rank {rank} of {self.world_size} {how}"
+        err_tail = _tail(result.stderr[rank], 15)
+        if err_tail.strip():
+            message += f"\n--- rank {rank} stderr (last lines) ---\n{err_tail}"
+        raise RankDied(message, result, rank, code)
+
+    def _fail_timeout(self) -> None:
+        pending = [r for r in range(self.world_size) if r not in self._returned]
+        returned = sorted(self._returned)
+        # Ask the stuck ranks where they are before stopping them.
+        for r in pending:
+            proc = self._procs[r]
+            if proc.is_alive() and proc.pid:
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.3)
+        for r in range(self.world_size):
+            self._drain(r)
+        result = self._partial()
+        stacks = {r: _stack_from_dump(result.stderr[r]) for r in pending}
+        last = {r: self._last_record.get(r) for r in pending}
+        lines = [f"launch of {self.fn_name!r} timed out after {self.timeout:g} s "
+                 f"(world_size={self.world_size}, backend={self.backend!r})",
+                 f"returned: {returned or 'none'}; did not return: {pending}"]
+        for r in pending:
+            rec = last[r]
+            if rec is None:
+                lines.append(f"rank {r}: emitted no record")
+            else:
+                shown = {k: v for k, v in rec.items() if v is not None}
+                lines.append(f"rank {r}: last record {shown}")
+        for r in pending:
+            if stacks[r]:
+                lines.append(f"--- rank {r} stack at the timeout ---\n{stacks[r]}")
+        raise LaunchTimeout("\n".join(lines), result, returned, pending, last, stacks)
+
+    def _fail_stopped(self) -> None:
+        result = self._partial()
+        raise LaunchStopped(f"launch of {self.fn_name!r} stopped on request", result)
+
+    # -- teardown -----------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        """Stop every rank and its children; idempotent."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        procs = [p for p in self._procs if p.pid is not None]
+        alive = [p for p in procs if p.exitcode is None]
+        if alive:
+            import psutil
+
+            # Ranks may have children of their own (DataLoader workers): take them too.
+            family = []
+            for p in alive:
+                try:
+                    family.extend(psutil.Process(p.pid).children(recursive=True))
+                except psutil.Error:
+                    pass
+            # A rank that already sent its result is finishing on its own.
+            deadline = time.perf_counter() + (0.5 if len(self._returned) == self.world_size else 0.0)
+            for p in alive:
+                p.join(max(0.0, deadline - time.perf_counter()))
+            for p in alive:
+                if p.exitcode is None:
+                    p.terminate()
+            deadline = time.perf_counter() + STOP_GRACE
+            for p in alive:
+                p.join(max(0.0, deadline - time.perf_counter()))
+            for p in alive:
+                if p.exitcode is None:
+                    p.kill()
+                    p.join(5)
+            for child in family:
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            psutil.wait_procs(family, timeout=5)
+        for p in procs:
+            p.join(5)
+        for c in self._lifelines + self._conns:
+            c.close()
+        self._lifelines = []
+        for end in (self._stop_r, self._stop_w):
+            if end is not None:
+                end.close()
+        self._stop_r = self._stop_w = None
+        self._store = None
+
+    def _read_outputs(self) -> tuple[list[str], list[str]]:
+        outs, errs = [], []
+        for rank in range(self.world_size):
+            for dest, ext in ((outs, "out"), (errs, "err")):
+                path = os.path.join(self._tmpdir.name, f"rank{rank}.{ext}") if self._tmpdir else ""
+                try:
+                    with open(path, errors="replace") as fh:
+                        dest.append(fh.read())
+                except OSError:
+                    dest.append("")
+        return outs, errs
+
+    def _result(self) -> LaunchResult:
+        if getattr(self, "_final", None) is not None:
+            return self._final
+        outs, errs = self._read_outputs()
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+        self._final = LaunchResult(
+            world_size=self.world_size, backend=self.backend, returns=list(self._returns),
+            stdout=outs, stderr=errs, wall_time=time.perf_counter() - self._t0,
+            exitcodes=[p.exitcode for p in self._procs], record_list=self._records)
+        return self._final
+
+
+def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", *, args: tuple = (),
+           kwargs: dict | None = None, timeout: float = DEFAULT_TIMEOUT,
+           threads_per_rank: int | None = None, env: dict[str, str] | None = None,
+           on_record: Callable[[dict], None] | None = None, progress: int | None = None,
+           progress_desc: str | None = None) -> LaunchResult:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return a :class:`LaunchResult`.
+
+    torch.distributed is initialized on every rank (``backend`` "gloo" on CPU,
+    "nccl" with one GPU per rank) before ``fn`` runs. Records emitted with
+    :func:`ddplab.emit` stream back while the ranks run; ``on_record`` sees
+    each one as it arrives and ``progress=N`` shows a bar fed by rank 0's
+    ``step``. Any failure stops every rank and raises a :class:`LaunchError`
+    subclass carrying the records gathered until then; ``timeout`` seconds
+    without all ranks returning raises :class:`LaunchTimeout`. ``env`` adds
+    environment variables for the ranks (e.g. ``{"NCCL_ALGO": "Tree"}``);
+    each rank uses ``threads_per_rank`` intra-op threads (default: the cores
+    divided among the ranks).
+    """
+    runner = Launch(fn, world_size, backend, args=args, kwargs=kwargs, timeout=timeout,
+                    threads_per_rank=threads_per_rank, env=env, on_record=on_record,
+                    progress=progress, progress_desc=progress_desc)
+    return runner.start().wait()

@@ -1,0 +1,57 @@
+"""Case parameters: parsing papermill's strings, rejecting bad values by name."""
+from __future__ import annotations
+
+import pytest
+
+from ddplab.cases import get_case
+from ddplab.parameters import Parameter, ParameterSet
+
+PS = ParameterSet([
+    Parameter("world_sizes", [2, 4], "ranks per run", kind="list[int]", minimum=1),
+    Parameter("orders", ["gloo", "exact"], "orders", kind="list[str]", choices=("gloo", "exact", "nccl_ring")),
+    Parameter("dtype", "float64", "dtype", choices=("float32", "float64")),
+    Parameter("steps", 20, "steps", kind="int", minimum=1),
+    Parameter("lr", 0.1, "learning rate", kind="float", minimum=0),
+    Parameter("same_init", True, "same init", kind="bool"),
+    Parameter("data_root", None, "where CIFAR-10 lies", kind="path", nullable=True),
+])
+
+
+def test_defaults_validate():
+    assert PS.validate() == PS.defaults()
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({"world_sizes": "[2, 3]"}, [2, 3]),          # papermill -p passes lists as strings
+    ({"world_sizes": "2,3"}, [2, 3]),
+    ({"world_sizes": 3}, [3]),
+    ({"world_sizes": (4,)}, [4]),
+])
+def test_list_parameters_from_strings(given, expected):
+    assert PS.validate(given)["world_sizes"] == expected
+
+
+def test_scalars_from_strings():
+    got = PS.validate(steps="5", lr="1e-3", same_init="false", data_root="None")
+    assert (got["steps"], got["lr"], got["same_init"], got["data_root"]) == (5, 1e-3, False, None)
+
+
+@pytest.mark.parametrize("given, match", [
+    ({"world_sizes": [0]}, r"parameter 'world_sizes': got \[0\].*>= 1"),
+    ({"world_sizes": "[2, x"}, "parameter 'world_sizes'.*not a list"),
+    ({"world_sizes": [2, 2]}, "duplicate"),
+    ({"orders": ["gloo", "mpi"]}, "parameter 'orders'.*from gloo, exact, nccl_ring"),
+    ({"dtype": "float16"}, "parameter 'dtype'.*from float32, float64"),
+    ({"steps": 2.5}, "parameter 'steps'.*an integer"),
+    ({"steps": True}, "parameter 'steps'"),
+    ({"same_init": "maybe"}, "parameter 'same_init'.*true or false"),
+    ({"wrold_sizes": [2]}, "unknown parameter.*'wrold_sizes'.*accepts: world_sizes"),
+])
+def test_bad_values_name_the_parameter(given, match):
+    with pytest.raises(ValueError, match=match):
+        PS.validate(given)
+
+
+def test_unknown_case_is_named():
+    with pytest.raises(ValueError, match="unknown case 'nope'; known cases: backend_divergence"):
+        get_case("nope")

@@ -1,0 +1,120 @@
+"""Figures from the tidy record table (seaborn/matplotlib).
+
+Every function takes the records DataFrame, selects one ``metric`` and
+returns a matplotlib Figure; nothing is shown implicitly. Use :func:`show`
+to display one: it renders the PNG itself and displays that, because under
+``MPLBACKEND=Agg`` (inherited by papermill kernels) ``plt.show()`` silently
+produces no image -- and no figure formatter is registered -- while the run
+still succeeds.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+import seaborn as sns
+
+__all__ = ["show", "png_bytes", "metric_lines", "metric_heatmap", "select", "theme"]
+
+#: Resolution of displayed and saved figures: sharp enough, small enough for < 2 MB reports.
+DPI = 90
+
+
+@contextlib.contextmanager
+def theme():
+    """ddplab's plot style, applied only inside the block."""
+    with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
+        yield
+
+
+def select(frame, metric: str | Sequence[str], **labels):
+    """The rows of ``frame`` for ``metric`` (one or several) and label values."""
+    metrics = [metric] if isinstance(metric, str) else list(metric)
+    out = frame[frame["metric"].isin(metrics)]
+    for key, val in labels.items():
+        if isinstance(val, (list, tuple, set)):
+            out = out[out[key].isin(list(val))]
+        else:
+            out = out[out[key] == val]
+    if out.empty:
+        have = sorted(frame["metric"].dropna().unique().tolist())
+        raise ValueError(f"no records for metric {metric!r} with {labels or 'no filter'}; "
+                         f"metrics present: {have}")
+    return out
+
+
+def png_bytes(fig, dpi: int = DPI) -> bytes:
+    """``fig`` rendered as PNG."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def show(fig, dpi: int = DPI) -> None:
+    """Display ``fig`` as a PNG in the notebook output, whatever the backend, and close it."""
+    try:
+        from IPython.display import Image, display
+        display(Image(data=png_bytes(fig, dpi), format="png"))
+    finally:
+        plt.close(fig)
+
+
+def metric_lines(frame, metric: str, *, x: str = "step", hue: str | None = None,
+                 style: str | None = None, col: str | None = None, log: bool = False,
+                 title: str | None = None, ylabel: str | None = None, filters: dict | None = None,
+                 height: float = 3.2, aspect: float = 1.5):
+    """Line plot of ``metric`` against ``x``, one line per ``hue``/``style``, facets by ``col``.
+
+    With ``log=True`` the y axis is logarithmic and non-positive values are
+    dropped (an exact zero has no place on a log axis; say so in the caption).
+    """
+    data = select(frame, metric, **(filters or {})).copy()
+    data["value"] = data["value"].astype(float)
+    if log:
+        data = data[data["value"] > 0]
+        if data.empty:
+            raise ValueError(f"metric {metric!r} has no positive values to draw on a log axis")
+    for key in (hue, style, col):
+        if key is not None:
+            data[key] = data[key].astype(str)
+    with theme():
+        grid = sns.relplot(data=data, x=x, y="value", hue=hue, style=style, col=col,
+                           kind="line", markers=style is not None, height=height, aspect=aspect,
+                           facet_kws={"sharey": True}, errorbar=None)
+        if log:
+            grid.set(yscale="log")
+        grid.set_axis_labels(x, ylabel or metric)
+        if title:
+            grid.figure.suptitle(title, y=1.03)
+    return grid.figure
+
+
+def metric_heatmap(frame, metric: str, *, index: str = "bucket", columns: str = "step",
+                   agg: str = "max", log: bool = True, title: str | None = None,
+                   filters: dict | None = None, cbar_label: str | None = None):
+    """Heatmap of ``metric`` aggregated (``agg``) over ``index`` × ``columns``.
+
+    With ``log=True`` colours show log10(value); zeros are drawn as the floor
+    colour and marked in the colour-bar label.
+    """
+    data = select(frame, metric, **(filters or {}))
+    table = data.pivot_table(index=index, columns=columns, values="value", aggfunc=agg)
+    shown = table.astype(float)
+    label = cbar_label or metric
+    if log:
+        positive = shown[shown > 0]
+        floor = np.nanmin(positive.values) if positive.notna().any().any() else 1.0
+        shown = np.log10(shown.clip(lower=floor))
+        label = f"log10({label}) (zeros shown at the floor)"
+    with theme():
+        fig, ax = plt.subplots(figsize=(min(14, 2 + 0.35 * table.shape[1]), 1.5 + 0.35 * table.shape[0]))
+        sns.heatmap(shown, ax=ax, cmap="viridis", cbar_kws={"label": label})
+        ax.set_xlabel(columns)
+        ax.set_ylabel(index)
+        if title:
+            ax.set_title(title)
+        fig.tight_layout()
+    return fig

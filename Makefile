@@ -12,6 +12,7 @@ STAMP  := $(VENV)/.ddplab-installed
 # resolving the package's range to a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+REPORT_ARGS ?=
 
 .PHONY: setup report test lab bench browser clean
 
@@ -35,7 +36,7 @@ browser:
 	    echo "note: could not install chromium; browser tests will be skipped"; }
 
 report: $(STAMP)
-	$(PY) -m ddplab report
+	$(PY) -m ddplab report $(REPORT_ARGS)
 
 # pytest exits 5 when it collects nothing (e.g. a filtered run): that is not a pass.
 test: $(STAMP) browser

@@ -1,10 +1,15 @@
-"""``python -m ddplab`` / ``ddplab``: the command line."""
+"""``ddplab`` / ``python -m ddplab``: the command line.
+
+    ddplab report [CASE ...] [-p NAME VALUE ...] [--params FILE] [--quick]
+                  [--output DIR] [--no-input] [--timeout SECONDS]
+    ddplab cases                      list the cases and their parameters
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 
 def _cmd_report(opts) -> int:
@@ -12,12 +17,46 @@ def _cmd_report(opts) -> int:
     return run_report(opts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddplab", description=__doc__.splitlines()[0])
+def _cmd_cases(opts) -> int:
+    from ddplab.cases import CASES, get_case
+    for name in CASES:
+        module = get_case(name)
+        print(f"{name}  ({CASES[name][1]}, seed {module.SEED})\n  {module.TITLE}")
+        for line in module.PARAMETERS.help().splitlines():
+            print(f"    {line}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ddplab.report import DEFAULT_TIMEOUT, NOTEBOOK_DIR
+
+    parser = argparse.ArgumentParser(prog="ddplab", description="Reproduce data-parallel training "
+                                     "reports, measure them exactly, publish reports.")
     sub = parser.add_subparsers(dest="command", required=True)
-    report = sub.add_parser("report", help="run the case notebooks and publish reports/")
+    report = sub.add_parser("report", help="run the case notebooks and publish reports/",
+                            description="Run case notebooks with papermill; write HTML reports, "
+                            "Markdown summaries and reports/index.html.")
+    report.add_argument("cases", nargs="*", help="cases to run (default: all); see 'ddplab cases'")
+    report.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                        help="set a parameter for every selected case that has it "
+                             "(lists as [2, 4] or 2,4)")
+    report.add_argument("--params", metavar="FILE",
+                        help="YAML parameters: {case: {name: value}} or {name: value}")
+    report.add_argument("--quick", action="store_true", help="small parameters: seconds per case")
+    report.add_argument("--output", default="reports", help="output folder (default: reports)")
+    report.add_argument("--no-input", action="store_true",
+                        help="hide code cells in the HTML (outputs and tracebacks stay)")
+    report.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                        help=f"seconds per notebook before it is stopped (default {DEFAULT_TIMEOUT:g})")
+    report.add_argument("--notebooks", default=str(NOTEBOOK_DIR), help=argparse.SUPPRESS)
     report.set_defaults(func=_cmd_report)
-    opts = parser.parse_args(argv)
+    cases = sub.add_parser("cases", help="list the cases and their parameters")
+    cases.set_defaults(func=_cmd_cases)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
     return opts.func(opts)
 
 

@@ -1,24 +1,298 @@
-"""Batch execution of the case notebooks (papermill) into reports/."""
+"""``ddplab report``: run the case notebooks with papermill and publish reports/.
+
+For every selected case: validate its parameters (before any notebook runs),
+execute the notebook in a subprocess under a per-notebook timeout, then
+write ``reports/<case>/``: ``report.html`` (self-contained, offline),
+``summary.md`` + ``key-figure.png`` (for issue threads), the executed
+``notebook.ipynb``, ``results/`` (records, verdict, parameters, environment)
+and ``papermill.log``. Finally ``reports/index.html`` lists every case.
+A failing or timed-out notebook does not stop the others; the command exits
+non-zero if any case did not end ok. Every file is written to a temporary
+name and renamed, so a re-run never leaves a half-written report behind.
+"""
 from __future__ import annotations
 
+import base64
+import dataclasses
+import json
+import os
 import pathlib
+import shutil
 import sys
+import time
+from typing import Callable, Iterable
 
-__all__ = ["case_notebooks", "run_report"]
+import nbformat
+import yaml
+
+from ddplab.artifacts import atomic_write_text, load_results
+from ddplab.cases import CASES, get_case
+from ddplab.environment import environment_info
+from ddplab.html_report import header_markdown, notebook_to_html
+from ddplab.index_page import CaseOutcome, summary_markdown, write_index
+from ddplab.notebook_run import execute_notebook
+from ddplab.parameters import ParameterSet
+from ddplab.verdict import Verdict, verdicts_from_notebook
+
+__all__ = ["CaseSpec", "case_specs", "plan_batch", "run_batch", "run_report",
+           "DEFAULT_TIMEOUT", "NOTEBOOK_DIR", "IO_PARAMETERS"]
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+#: Seconds one notebook may run before it is stopped and reported as timed out.
+DEFAULT_TIMEOUT = 900.0
+#: Notebook parameters every case notebook has besides its case's own.
+IO_PARAMETERS = ("results_dir", "run_dir")
 
 
-def case_notebooks(directory: pathlib.Path = NOTEBOOK_DIR) -> list[pathlib.Path]:
-    """The numbered case notebooks (``01_*.ipynb`` ...), the explorer excluded."""
-    return sorted(p for p in directory.glob("[0-9][0-9]_*.ipynb") if not p.name.startswith("00_"))
+@dataclasses.dataclass
+class CaseSpec:
+    """A notebook the batch can run, with the parameters it accepts."""
+
+    name: str
+    title: str
+    seed: str
+    notebook: pathlib.Path
+    parameters: ParameterSet
+    quick: dict = dataclasses.field(default_factory=dict)
+
+
+def case_specs(names: Iterable[str] | None = None,
+               notebook_dir: str | os.PathLike = NOTEBOOK_DIR) -> list[CaseSpec]:
+    """Specs of the registered cases (all, or ``names``, in registry order)."""
+    wanted = list(CASES) if not names else list(names)
+    for name in wanted:
+        if name not in CASES:
+            raise ValueError(f"unknown case {name!r}; known cases: {', '.join(CASES)}")
+    specs = []
+    for name in CASES:
+        if name not in wanted:
+            continue
+        module = get_case(name)
+        path = pathlib.Path(notebook_dir) / CASES[name][1]
+        if not path.exists():
+            raise ValueError(f"case {name!r}: notebook {path} does not exist")
+        specs.append(CaseSpec(name=name, title=module.TITLE, seed=module.SEED, notebook=path,
+                              parameters=module.PARAMETERS, quick=dict(module.QUICK)))
+    return specs
+
+
+def plan_batch(specs: list[CaseSpec], *, overrides: Iterable[tuple[str, str]] = (),
+               params_file: str | os.PathLike | None = None, quick: bool = False) -> list[tuple[CaseSpec, dict]]:
+    """Validated parameters per case: defaults < quick < params file < ``-p`` overrides.
+
+    ``params_file`` is YAML: ``{case: {name: value}}`` per case, or a flat
+    ``{name: value}`` applied like ``-p``. A ``-p``/flat name applies to every
+    selected case that declares it and is an error if none does. Raises
+    ValueError (naming the case and parameter) before anything runs.
+    """
+    names = {s.name for s in specs}
+    per_case: dict[str, dict] = {s.name: {} for s in specs}
+    shared: dict = {}
+    if params_file is not None:
+        try:
+            loaded = yaml.safe_load(pathlib.Path(params_file).read_text()) or {}
+        except OSError as exc:
+            raise ValueError(f"cannot read parameters file {params_file}: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"parameters file {params_file} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"parameters file {params_file} must hold a mapping")
+        for key, value in loaded.items():
+            if key in CASES or key in names:
+                if key not in names:
+                    continue  # a section for a case not selected this time
+                if not isinstance(value, dict):
+                    raise ValueError(f"parameters file {params_file}: section {key!r} must be a mapping")
+                per_case[key].update(value)
+            else:
+                shared[key] = value
+    shared.update(dict(overrides))
+    for key in shared:
+        if not any(key in s.parameters or key in IO_PARAMETERS for s in specs):
+            accepted = "; ".join(f"{s.name}: {', '.join(s.parameters.names() + list(IO_PARAMETERS))}"
+                                 for s in specs)
+            raise ValueError(f"unknown parameter {key!r}: no selected case accepts it ({accepted})")
+    planned = []
+    for spec in specs:
+        values = dict(spec.quick) if quick else {}
+        values.update({k: v for k, v in shared.items() if k in spec.parameters or k in IO_PARAMETERS})
+        values.update(per_case[spec.name])
+        io = {k: values.pop(k) for k in list(values) if k in IO_PARAMETERS}
+        if "results_dir" in io:
+            raise ValueError("parameter 'results_dir' is set by ddplab report (reports/<case>/results)")
+        try:
+            params = spec.parameters.validate(values)
+        except ValueError as exc:
+            raise ValueError(f"case {spec.name!r}: {exc}") from None
+        if io.get("run_dir") is not None and not pathlib.Path(io["run_dir"]).is_dir():
+            raise ValueError(f"case {spec.name!r}: parameter 'run_dir': {io['run_dir']!r} is not a directory")
+        params.update(io)
+        planned.append((spec, params))
+    return planned
+
+
+def _replace_dir(new: pathlib.Path, final: pathlib.Path) -> None:
+    """Put directory ``new`` at ``final``, removing the old one only once the new is in place."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    if new.exists():
+        os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _key_figure(nb) -> bytes | None:
+    """PNG of the cell tagged ``key-figure``, else the notebook's first PNG."""
+    def pngs(cells):
+        for cell in cells:
+            for out in cell.get("outputs", []):
+                data = out.get("data", {})
+                if "image/png" in data:
+                    yield base64.b64decode(data["image/png"])
+    tagged = [c for c in nb.cells if "key-figure" in c.get("metadata", {}).get("tags", [])]
+    for png in pngs(tagged):
+        return png
+    for png in pngs(nb.cells):
+        return png
+    return None
+
+
+def _progress_printer(name: str, index: int, total: int, echo: Callable[[str], None]):
+    state = {"last": 0.0}
+    interactive = sys.stdout.isatty()
+
+    def on_poll(elapsed: float, cell: int | None) -> None:
+        where = f", cell {cell}" if cell is not None else ""
+        if interactive:
+            sys.stdout.write(f"\r[{index}/{total}] {name}: running {elapsed:5.0f} s{where}   ")
+            sys.stdout.flush()
+        elif elapsed - state["last"] >= 15:
+            state["last"] = elapsed
+            echo(f"[{index}/{total}] {name}: still running, {elapsed:.0f} s{where}")
+
+    return on_poll
+
+
+def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: float,
+             no_input: bool, index: int, total: int, echo: Callable[[str], None]) -> CaseOutcome:
+    case_dir = out_dir / spec.name
+    case_dir.mkdir(parents=True, exist_ok=True)
+    executing = case_dir / ".notebook.executing.ipynb"
+    new_results = case_dir / ".results.new"
+    shutil.rmtree(new_results, ignore_errors=True)
+    nb_params = {**{k: v for k, v in params.items()}, "results_dir": str(new_results.resolve())}
+    echo(f"[{index}/{total}] {spec.name}: started")
+    outcome = execute_notebook(
+        spec.notebook, executing, parameters=nb_params, timeout=timeout,
+        cwd=spec.notebook.parent, log_path=case_dir / ".papermill.log",
+        env={"DDPLAB_BATCH": "1", "PYTHONUNBUFFERED": "1"},
+        on_poll=_progress_printer(spec.name, index, total, echo))
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")
+    _replace_dir(new_results, case_dir / "results")
+
+    nb = nbformat.read(executing, as_version=4) if executing.exists() else nbformat.read(spec.notebook, as_version=4)
+    verdict: Verdict | None = None
+    environment = None
+    try:
+        saved = load_results(case_dir / "results")
+        verdict, environment = saved.verdict, saved.environment
+    except FileNotFoundError:
+        pass
+    if verdict is None:
+        found = verdicts_from_notebook(nb.cells)
+        verdict = found[-1] if found else None
+    if environment is None:
+        environment = {**environment_info(backend=params.get("backend")),
+                       "note": "of the machine that ran the batch; the notebook saved none"}
+    failing_source = None
+    if outcome.failing_cell is not None and outcome.failing_cell < len(nb.cells) and no_input:
+        failing_source = nb.cells[outcome.failing_cell].source
+    shown_params = {k: v for k, v in params.items() if not (k in IO_PARAMETERS and v is None)}
+    header = header_markdown(title=f"{spec.title}", status=outcome.status, seconds=outcome.seconds,
+                             verdict=verdict, params=shown_params, environment=environment,
+                             failing_cell=outcome.failing_cell, error=outcome.error,
+                             failing_source=failing_source)
+    atomic_write_text(case_dir / "report.html", notebook_to_html(nb, header=header, no_input=no_input))
+    png = _key_figure(nb)
+    figure_name = None
+    if png is not None:
+        figure_name = "key-figure.png"
+        tmp = case_dir / ".key-figure.png.tmp"
+        tmp.write_bytes(png)
+        os.replace(tmp, case_dir / figure_name)
+    result = CaseOutcome(
+        name=spec.name, title=spec.title, seed=spec.seed, status=outcome.status,
+        seconds=outcome.seconds, verdict=verdict, report=f"{spec.name}/report.html",
+        summary=f"{spec.name}/summary.md", notebook=f"{spec.name}/notebook.ipynb",
+        key_figure=f"{spec.name}/{figure_name}" if figure_name else None, error=outcome.error)
+    overrides = " ".join(f"-p {k} {json.dumps(v) if not isinstance(v, str) else v}"
+                         for k, v in shown_params.items() if v != spec.parameters.defaults().get(k, v))
+    command = f"ddplab report {spec.name} {overrides}".strip()
+    atomic_write_text(case_dir / "summary.md", summary_markdown(
+        result, params=shown_params, environment=environment, figure_name=figure_name, command=command))
+    if executing.exists():
+        os.replace(executing, case_dir / "notebook.ipynb")
+    log = case_dir / ".papermill.log"
+    if log.exists():
+        os.replace(log, case_dir / "papermill.log")
+    where = f" (cell {outcome.failing_cell})" if outcome.failing_cell is not None and not outcome.ok else ""
+    echo(f"[{index}/{total}] {spec.name}: {outcome.status}{where} in {outcome.seconds:.1f} s"
+         + (f" — {verdict.kind}: {verdict.headline}" if verdict else "")
+         + (f" — {outcome.error}" if not outcome.ok else ""))
+    return result
+
+
+def _merge_with_previous(out_dir: pathlib.Path, outcomes: list[CaseOutcome]) -> list[CaseOutcome]:
+    """Keep the index entries of cases not run this time (a partial re-run)."""
+    path = out_dir / "index.json"
+    ran = {o.name for o in outcomes}
+    previous = []
+    if path.exists():
+        try:
+            for data in json.loads(path.read_text()).get("cases", []):
+                if data["name"] not in ran and (out_dir / data["report"]).exists():
+                    data = dict(data)
+                    data["verdict"] = Verdict.from_dict(data["verdict"]) if data.get("verdict") else None
+                    previous.append(CaseOutcome(**data))
+        except (ValueError, KeyError, TypeError):
+            previous = []
+    order = {name: i for i, name in enumerate(CASES)}
+    merged = outcomes + previous
+    return sorted(merged, key=lambda o: order.get(o.name, len(order)))
+
+
+def run_batch(planned: list[tuple[CaseSpec, dict]], out_dir: str | os.PathLike, *,
+              timeout: float = DEFAULT_TIMEOUT, no_input: bool = False,
+              echo: Callable[[str], None] = print) -> list[CaseOutcome]:
+    """Run every planned case, write its report, then the index; return the outcomes."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    outcomes = []
+    for i, (spec, params) in enumerate(planned, 1):
+        outcomes.append(_run_one(spec, params, out_dir, timeout=timeout, no_input=no_input,
+                                 index=i, total=len(planned), echo=echo))
+    total = time.perf_counter() - t0
+    write_index(out_dir, _merge_with_previous(out_dir, outcomes), total_seconds=total)
+    echo("")
+    for o in outcomes:
+        echo(f"  {o.name:<24} {o.status:<11} {o.seconds:7.1f} s")
+    echo(f"  {'total':<24} {'':<11} {total:7.1f} s   -> {out_dir / 'index.html'}")
+    return outcomes
 
 
 def run_report(opts) -> int:
-    notebooks = case_notebooks()
-    if not notebooks:
-        print(f"ddplab report: no case notebooks in {NOTEBOOK_DIR} yet; nothing was run",
-              file=sys.stderr)
-        return 1
-    print("ddplab report: the batch runner is not built yet; nothing was run", file=sys.stderr)
-    return 1
+    """The ``ddplab report`` command (see :mod:`ddplab.cli` for the options)."""
+    try:
+        specs = case_specs(opts.cases or None, opts.notebooks)
+        planned = plan_batch(specs, overrides=opts.param or (), params_file=opts.params,
+                             quick=opts.quick)
+        if opts.timeout <= 0:
+            raise ValueError(f"--timeout must be positive, got {opts.timeout}")
+    except ValueError as exc:
+        print(f"ddplab report: {exc}", file=sys.stderr)
+        return 2
+    outcomes = run_batch(planned, opts.output, timeout=opts.timeout, no_input=opts.no_input)
+    return 0 if all(o.status == "ok" for o in outcomes) else 1

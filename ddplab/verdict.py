@@ -78,13 +78,12 @@ class Verdict:
     def to_markdown(self) -> str:
         rows = ["| | finding | evidence |", "|---|---|---|"]
         for f in self.findings:
-            mark = "✅" if f.holds else "❌"
-            rows.append(f"| {mark} | {_md(f.claim)} | {_md(f.evidence)} |")
+            rows.append(f"| {_mark(f.holds)} | {_md(f.claim)} | {_md(f.evidence)} |")
         return f"**Verdict ({self.kind}):** {self.headline}\n\n" + "\n".join(rows) + "\n"
 
     def to_html(self) -> str:
         rows = "".join(
-            f"<tr><td>{'✅' if f.holds else '❌'}</td><td>{html.escape(f.claim)}</td>"
+            f"<tr><td>{_mark(f.holds)}</td><td>{html.escape(f.claim)}</td>"
             f"<td>{html.escape(f.evidence)}</td></tr>" for f in self.findings)
         return (f"<div class='ddplab-verdict'><p><b>Verdict ({html.escape(self.kind)}):</b> "
                 f"{html.escape(self.headline)}</p><table><thead><tr><th></th><th>finding</th>"
@@ -94,6 +93,11 @@ class Verdict:
         # The JSON copy lets batch tools read the verdict without parsing HTML.
         return {"text/markdown": self.to_markdown(), "text/html": self.to_html(),
                 "text/plain": self.to_markdown(), VERDICT_MIME: self.to_dict()}
+
+
+def _mark(holds: bool) -> str:
+    # Plain dingbats with a word: emoji fonts are missing on many machines (and headless browsers).
+    return "✔ holds" if holds else "✘ does not hold"
 
 
 def _md(text: str) -> str:

@@ -77,7 +77,7 @@ def test_jsonl_survives_a_truncated_last_line(tmp_path):
 def test_verdict_rendering_and_notebook_extraction():
     v = Verdict("c", "bug", "a | b", [Finding("k", "claim | x", False, "ratio 1e6")])
     bundle = v._repr_mimebundle_()
-    assert "❌" in bundle["text/markdown"] and "\\|" in bundle["text/markdown"]
+    assert "✘ does not hold" in bundle["text/markdown"] and "\\|" in bundle["text/markdown"]
     cells = [{"outputs": [{"data": {VERDICT_MIME: bundle[VERDICT_MIME]}}]}]
     assert verdicts_from_notebook(cells)[0].finding("k").evidence == "ratio 1e6"
     assert json.loads(v.to_json())["kind"] == "bug"

@@ -1,0 +1,236 @@
+"""The batch report: real papermill + nbconvert runs, failures, offline HTML in Chromium."""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from ddplab.artifacts import atomic_write_text
+from ddplab.parameters import Parameter, ParameterSet
+from ddplab.report import CaseSpec, case_specs, plan_batch, run_batch
+
+PS = ParameterSet([
+    Parameter("n", 3, "how many points", kind="int", minimum=1),
+    Parameter("sizes", [2, 4], "world sizes", kind="list[int]", minimum=1),
+])
+
+PARAMS_CELL = ("n = 3  # how many points\n"
+               "sizes = [2, 4]  # world sizes\n"
+               "results_dir = None  # where to save\n"
+               "run_dir = None  # unused here")
+
+OK_CELLS = [
+    "import matplotlib.pyplot as plt\n"
+    "from ddplab import plots, to_frame, record\n"
+    "from ddplab.artifacts import save_results\n"
+    "from ddplab.verdict import Verdict, Finding\n"
+    "assert isinstance(sizes, list), type(sizes)",
+    "records = to_frame([record('loss', 1.0 / (s + 1), step=s, rank=0, world_size=w)\n"
+    "                    for w in sizes for s in range(n)])\n"
+    "plots.show(plots.metric_lines(records, 'loss', hue='world_size', log=True))",
+    "verdict = Verdict('fixture', 'rounding', f'{len(records)} records, all finite',\n"
+    "                  [Finding('finite', 'every loss is finite', bool(records['value'].notna().all()),\n"
+    "                           f'{len(records)} values')])\n"
+    "display(verdict)\n"
+    "if results_dir:\n"
+    "    save_results(results_dir, records=records, verdict=verdict, params={'n': n, 'sizes': sizes},\n"
+    "                 environment={'torch': 'fixture'})",
+]
+FAIL_CELLS = ["print('before the failure')", "raise RuntimeError('planted notebook failure')",
+              "print('never reached')"]
+SLEEP_CELLS = ["import time\nprint('sleeping', flush=True)", "time.sleep(600)"]
+
+
+def _notebook(path: pathlib.Path, cells: list[str], key_figure: int | None = None) -> pathlib.Path:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell(PARAMS_CELL)
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# fixture"), params]
+    for i, src in enumerate(cells):
+        cell = nbformat.v4.new_code_cell(src)
+        if i == key_figure:
+            cell.metadata["tags"] = ["key-figure"]
+        nb.cells.append(cell)
+    nbformat.write(nb, path)
+    return path
+
+
+def _spec(tmp_path, name, cells, **kw):
+    nb = _notebook(tmp_path / f"{name}.ipynb", cells, **kw)
+    return CaseSpec(name=name, title=f"Fixture {name}", seed="none.txt", notebook=nb,
+                    parameters=PS, quick={"n": 2})
+
+
+# ---------------------------------------------------------------- planning (no notebook runs)
+
+
+def test_plan_merges_defaults_quick_file_and_overrides(tmp_path):
+    spec = _spec(tmp_path, "a", OK_CELLS)
+    pfile = tmp_path / "p.yaml"
+    pfile.write_text("a:\n  sizes: [3]\n")
+    [(_, params)] = plan_batch([spec], quick=True, params_file=pfile, overrides=[("n", "7")])
+    assert params == {"n": 7, "sizes": [3]}
+    [(_, params)] = plan_batch([spec], overrides=[("sizes", "[2, 5]")])
+    assert params["sizes"] == [2, 5]  # a list given with -p arrives as a string and is parsed
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(overrides=[("nn", "3")]), "unknown parameter 'nn': no selected case accepts it"),
+    (dict(overrides=[("n", "three")]), "case 'a': parameter 'n': got 'three'.*an integer"),
+    (dict(overrides=[("sizes", "[0]")]), "parameter 'sizes'.*>= 1"),
+    (dict(overrides=[("results_dir", "/tmp/x")]), "set by ddplab report"),
+    (dict(overrides=[("run_dir", "/nonexistent/run")]), "is not a directory"),
+])
+def test_bad_parameters_are_rejected_before_running(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_batch([_spec(tmp_path, "a", OK_CELLS)], **kwargs)
+
+
+def test_unknown_case_is_rejected():
+    with pytest.raises(ValueError, match="unknown case 'nope'; known cases"):
+        case_specs(["nope"])
+
+
+def test_cli_rejects_bad_input_without_running(tmp_path):
+    out = tmp_path / "reports"
+    proc = subprocess.run([sys.executable, "-m", "ddplab", "report", "nope", "--output", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown case 'nope'" in proc.stderr
+    assert not out.exists()
+
+
+def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
+    path = tmp_path / "report.html"
+    atomic_write_text(path, "<html>good</html>")
+    with pytest.raises(TypeError):
+        atomic_write_text(path, None)  # the write itself fails half-way
+    assert path.read_text() == "<html>good</html>"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
+
+
+# ---------------------------------------------------------------- a real batch
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("batch")
+    specs = [_spec(tmp_path, "good", OK_CELLS, key_figure=1),
+             _spec(tmp_path, "broken", FAIL_CELLS),
+             _spec(tmp_path, "sleepy", SLEEP_CELLS)]
+    planned = plan_batch(specs, overrides=[("sizes", "[2, 4]")])
+    out = tmp_path / "reports"
+    lines = []
+    # The first batch: "sleepy" gets a generous timeout per notebook, it still times out.
+    outcomes = run_batch(planned, out, timeout=20, echo=lines.append)
+    return out, {o.name: o for o in outcomes}, lines, planned
+
+
+@pytest.mark.slow
+def test_each_case_ends_with_its_status(batch):
+    out, outcomes, lines, _ = batch
+    assert {n: o.status for n, o in outcomes.items()} == {
+        "good": "ok", "broken": "failed", "sleepy": "timed out"}
+    assert outcomes["good"].verdict.holds("finite")
+    assert "planted notebook failure" in outcomes["broken"].error
+    assert any("[3/3] sleepy: timed out" in line for line in lines)  # terminal progress
+    assert any(line.strip().startswith("total") for line in lines)
+
+
+@pytest.mark.slow
+def test_failed_and_timed_out_reports_still_exist(batch):
+    out, outcomes, _, _ = batch
+    broken = (out / "broken" / "report.html").read_text()
+    assert "planted notebook failure" in broken and "RuntimeError" in broken
+    assert "before the failure" in broken
+    executed = nbformat.read(out / "broken" / "notebook.ipynb", as_version=4)
+    assert executed.cells[-1].outputs == []  # nothing ran after the failing cell
+    sleepy = (out / "sleepy" / "report.html").read_text()
+    assert "timed out" in sleepy and "sleeping" in sleepy
+    for name in ("good", "broken", "sleepy"):
+        assert (out / name / "notebook.ipynb").exists() and (out / name / "summary.md").exists()
+        assert not list((out / name).glob(".*"))  # no temporary leftovers
+
+
+@pytest.mark.slow
+def test_report_is_self_contained(batch):
+    out, _, _, _ = batch
+    text = (out / "good" / "report.html").read_text()
+    assert len(text) < 2_000_000
+    assert "data:image/png;base64," in text
+    assert not re.search(r"<(script|link|img|iframe)[^>]+(src|href)=[\"']https?://", text)
+    assert "require.js" not in text and "mathjax" not in text.lower().replace("mathjax_", "")
+    # The verdict, parameters and environment come first.
+    head = text.index("Verdict")
+    assert head < text.index("Parameters") < text.index("Environment") < text.index('id="fixture"')
+
+
+@pytest.mark.slow
+def test_index_and_summary(batch):
+    out, _, _, planned = batch
+    index = json.loads((out / "index.json").read_text())
+    assert [(c["name"], c["status"]) for c in index["cases"]] == [
+        ("good", "ok"), ("broken", "failed"), ("sleepy", "timed out")]
+    html = (out / "index.html").read_text()
+    assert "timed out" in html and "good/report.html" in html
+    summary = (out / "good" / "summary.md").read_text()
+    assert "| ✔ holds | every loss is finite |" in summary
+    assert "![key figure](key-figure.png)" in summary
+    assert (out / "good" / "key-figure.png").read_bytes().startswith(b"\x89PNG")
+    assert "-p sizes" not in summary  # defaults are not repeated in the reproduce command
+
+
+@pytest.mark.slow
+def test_rerun_replaces_reports_whole(batch):
+    out, _, _, planned = batch
+    good = [(s, p) for s, p in planned if s.name == "good"]
+    before = (out / "good" / "report.html").stat().st_mtime_ns
+    run_batch(good, out, timeout=60, echo=lambda _: None)
+    assert (out / "good" / "report.html").stat().st_mtime_ns > before
+    index = json.loads((out / "index.json").read_text())
+    # A partial re-run keeps the other cases in the index.
+    assert [c["name"] for c in index["cases"]] == ["good", "broken", "sleepy"]
+    assert not list((out / "good").glob(".*"))
+
+
+# ---------------------------------------------------------------- a real browser, offline
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_pages_render_offline_in_chromium(batch, tmp_path):
+    if _chromium() is None:
+        pytest.skip("Debian's chromium is not installed (make test installs it as root)")
+    from playwright.sync_api import sync_playwright
+
+    out, _, _, _ = batch
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        context = browser.new_context(offline=True)
+        remote = []
+        context.route(re.compile(r"^(?!file:|data:).*"),
+                      lambda route: (remote.append(route.request.url), route.abort()))
+        page = context.new_page()
+        for name, path in (("index", out / "index.html"), ("good", out / "good" / "report.html")):
+            page.goto(path.resolve().as_uri())
+            page.wait_for_load_state("load")
+            images = page.eval_on_selector_all(
+                "img", "els => els.map(e => [e.complete, e.naturalWidth])")
+            assert images, f"{name}: no images"
+            assert all(done and width > 0 for done, width in images), (name, images)
+            page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
+            assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+        browser.close()
+    assert remote == []  # nothing fetched from the network

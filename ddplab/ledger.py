@@ -128,6 +128,9 @@ class CollectiveMismatchError(RuntimeError):
                          + "\n".join(f"  {p}" for p in problems[:20]))
         self.problems = problems
 
+    def __reduce__(self):  # picklable, so it crosses process boundaries intact
+        return (type(self), (self.problems,))
+
 
 @dataclasses.dataclass
 class LedgerReport:

@@ -2,6 +2,7 @@
 
     ddplab report [CASE ...] [-p NAME VALUE ...] [--params FILE] [--quick]
                   [--output DIR] [--no-input] [--timeout SECONDS]
+    ddplab run CASE|MODULE:FUNC --out DIR [-p NAME VALUE ...]   (under torchrun)
     ddplab cases                      list the cases and their parameters
 """
 from __future__ import annotations
@@ -15,6 +16,16 @@ __all__ = ["main", "build_parser"]
 def _cmd_report(opts) -> int:
     from ddplab.report import run_report
     return run_report(opts)
+
+
+def _cmd_run(opts) -> int:
+    from ddplab.torchrun import run_rank
+    try:
+        return run_rank(opts.target, opts.out, dict(opts.param or ()), backend=opts.backend,
+                        timeout=opts.timeout)
+    except ValueError as exc:
+        print(f"ddplab run: {exc}", file=sys.stderr)
+        return 2
 
 
 def _cmd_cases(opts) -> int:
@@ -50,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"seconds per notebook before it is stopped (default {DEFAULT_TIMEOUT:g})")
     report.add_argument("--notebooks", default=str(NOTEBOOK_DIR), help=argparse.SUPPRESS)
     report.set_defaults(func=_cmd_report)
+    run = sub.add_parser("run", help="run a case on this rank (start it with torchrun)",
+                         description="Run a case's worker (or MODULE:FUNC) on every torchrun rank; "
+                         "rank 0 writes the merged results folder that notebooks read as run_dir.")
+    run.add_argument("target", help="a case name (see 'ddplab cases') or MODULE:FUNCTION")
+    run.add_argument("--out", required=True, help="the run folder (rank files, merged results)")
+    run.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                     help="set a case parameter")
+    run.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    run.add_argument("--timeout", type=float, default=1800.0,
+                     help="seconds any collective may wait for a peer (default 1800)")
+    run.set_defaults(func=_cmd_run)
     cases = sub.add_parser("cases", help="list the cases and their parameters")
     cases.set_defaults(func=_cmd_cases)
     return parser

@@ -92,8 +92,13 @@ class LaunchResult:
 
     @property
     def records(self):
-        """Every record the ranks emitted, as the tidy DataFrame."""
-        return _records.to_frame(self.record_list)
+        """Every record the ranks emitted, as the tidy DataFrame.
+
+        Rows are in rank order, each rank's in the order it emitted them:
+        deterministic, unlike arrival order, so two runs compare row for row.
+        """
+        ordered = sorted(self.record_list, key=lambda r: -1 if r.get("rank") is None else r["rank"])
+        return _records.to_frame(ordered)
 
     def __repr__(self) -> str:
         return (f"LaunchResult(world_size={self.world_size}, backend={self.backend!r}, "

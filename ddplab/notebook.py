@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from ddplab.artifacts import load_results, save_results
+from ddplab.artifacts import save_results
 from ddplab.cases import get_case
 from ddplab.environment import environment_info, environment_markdown
 from ddplab.verdict import Verdict
@@ -52,9 +52,10 @@ def setup(case: str, values: dict, *, display: bool = True) -> tuple[dict, dict]
 def run(case: str, params: dict, *, run_dir: str | None = None, progress: bool = True):
     """Run the case (or read a finished run from ``run_dir``) and return its records."""
     if run_dir:
-        results = load_results(run_dir)
-        print(f"read {len(results.records)} records from {run_dir}")
-        return results.records
+        from ddplab.torchrun import load_run
+        records = load_run(run_dir)
+        print(f"read {len(records)} records from {run_dir}")
+        return records
     t0 = time.perf_counter()
     records = get_case(case).run(params, progress=progress)
     print(f"{case}: {len(records)} records in {time.perf_counter() - t0:.1f} s")

@@ -1,0 +1,149 @@
+"""Run a case (or any worker function) under torchrun, across machines.
+
+``python -m ddplab run CASE --out DIR [-p NAME VALUE ...]`` is started by
+torchrun on every node; each rank sets itself up from torchrun's environment
+(:func:`ddplab.rank.context_from_env`), runs the *same* worker function the
+notebook launcher runs, and appends its records to ``DIR/rank-<r>.jsonl`` as
+they happen (so a crash keeps what was recorded). When every rank finished,
+rank 0 gathers all records over the process group -- no shared file system
+needed -- and writes the merged results directory: ``records.jsonl``,
+``params.json``, ``environment.json`` and ``run.json`` (status "complete").
+If any rank fails, torchrun stops the job and no ``run.json`` is written:
+:func:`load_run` then refuses the folder instead of presenting a partial
+table as complete.
+
+Example (two nodes, two processes each)::
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 -m ddplab run backend_divergence --out runs/bd -p steps 5
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+from typing import Callable
+
+from ddplab import records as _records
+from ddplab.artifacts import atomic_write_text, load_results, read_jsonl
+
+__all__ = ["run_rank", "load_run", "resolve_target", "RunIncomplete"]
+
+
+class RunIncomplete(RuntimeError):
+    """A run folder whose job did not finish on every rank."""
+
+
+def resolve_target(target: str, overrides: dict) -> tuple[Callable, dict, str]:
+    """``(worker, params, name)`` for a case name or a ``module:function`` path.
+
+    Case parameters are validated (ValueError naming the parameter); a
+    ``module:function`` worker receives the overrides as a dict, unparsed.
+    """
+    if ":" in target:
+        module_name, _, func_name = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+            worker = getattr(module, func_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load worker {target!r}: {exc}") from None
+        if not callable(worker):
+            raise ValueError(f"worker {target!r} is not callable")
+        return worker, dict(overrides), target
+    from ddplab.cases import get_case
+
+    case = get_case(target)
+    params = case.PARAMETERS.validate(overrides)
+    return case.worker, params, target
+
+
+def _write_run_json(out_dir: pathlib.Path, data: dict) -> None:
+    atomic_write_text(out_dir / "run.json", json.dumps(data, indent=2, default=str))
+
+
+def run_rank(target: str, out_dir: str | os.PathLike, overrides: dict | None = None, *,
+             backend: str = "gloo", timeout: float = 1800.0) -> int:
+    """Body of ``python -m ddplab run`` on one torchrun rank; returns the exit code."""
+    import torch.distributed as dist
+
+    from ddplab.environment import environment_info
+    from ddplab.rank import context_from_env, teardown_rank
+
+    worker, params, name = resolve_target(target, overrides or {})
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = context_from_env(backend, timeout=timeout)
+    rank_file = out_dir / f"rank-{ctx.rank}.jsonl"
+    emitted: list[dict] = []
+    with open(rank_file, "w", buffering=1) as fh:
+        def sink(rec: dict) -> None:
+            emitted.append(rec)
+            fh.write(json.dumps(rec, allow_nan=True) + "\n")  # line-buffered: survives a crash
+
+        _records.set_sink(sink)
+        try:
+            worker(params)
+        except BaseException as exc:
+            tb = traceback.format_exc()
+            # The time tells the first failure (the cause) from the peers that
+            # then failed in a collective because it had left.
+            atomic_write_text(out_dir / f"rank-{ctx.rank}.error.json", json.dumps(
+                {"rank": ctx.rank, "time": time.time(), "type": type(exc).__name__,
+                 "message": str(exc), "traceback": tb}, indent=2))
+            print(f"ddplab run: rank {ctx.rank} of {ctx.world_size} failed in {name}; "
+                  f"{len(emitted)} records kept in {rank_file}\n{tb}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            _records.set_sink(None)
+    # Every rank got here: gather over the process group (works without a shared disk).
+    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+    dist.gather_object(emitted, gathered, dst=0)
+    if ctx.rank == 0:
+        merged = [rec for per_rank in gathered for rec in per_rank]
+        from ddplab.artifacts import save_results
+        save_results(out_dir, records=merged, verdict=None, params=params,
+                     environment=environment_info(backend=backend, world_sizes=[ctx.world_size]))
+        _write_run_json(out_dir, {"status": "complete", "target": name, "world_size": ctx.world_size,
+                                  "backend": backend, "records": len(merged)})
+    dist.barrier()
+    teardown_rank()
+    return 0
+
+
+def load_run(path: str | os.PathLike, *, allow_incomplete: bool = False):
+    """The tidy records of a finished run folder (a torchrun job or ``ddplab report``).
+
+    Raises :class:`RunIncomplete` when the job did not complete on every rank,
+    naming the ranks that failed; ``allow_incomplete=True`` instead returns
+    whatever the ranks recorded before they stopped (for a post-mortem).
+    """
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    run_json = path / "run.json"
+    complete = run_json.exists() and json.loads(run_json.read_text()).get("status") == "complete"
+    if not complete and not (path / "rank-0.jsonl").exists():
+        # A results directory written by a notebook (no ranks files): complete by construction.
+        return load_results(path).records
+    if complete:
+        return load_results(path).records
+    errors = sorted((json.loads(p.read_text()) for p in path.glob("rank-*.error.json")),
+                    key=lambda e: e["time"])
+    ranks = sorted(int(p.stem.split("-")[1]) for p in path.glob("rank-*.jsonl"))
+    if not allow_incomplete:
+        if errors:
+            first = errors[0]
+            why = (f"first failure: rank {first['rank']} ({first['type']}: {first['message']})"
+                   + (f"; then ranks {[e['rank'] for e in errors[1:]]} failed too"
+                      if len(errors) > 1 else ""))
+        else:
+            why = "no rank reported a failure (killed, or still running?)"
+        raise RunIncomplete(
+            f"{path}: the run did not complete (no run.json); {why}; ranks with records: {ranks}. "
+            "Pass allow_incomplete=True to read what was recorded.")
+    recs = [rec for r in ranks for rec in read_jsonl(path / f"rank-{r}.jsonl")]
+    return _records.to_frame(recs)

@@ -68,6 +68,10 @@ __all__ = [
 DEFAULT_TIMEOUT = 300.0
 #: Grace given to a rank between SIGTERM and SIGKILL when stopping a launch.
 STOP_GRACE = 1.0
+#: After a first failure, how long to keep listening before naming the cause:
+#: a rank killed by a signal makes its peers fail in their next collective, and
+#: their errors can reach the parent before the death is seen.
+FAILURE_GRACE = 0.4
 #: Modules the forkserver imports once, so that every rank starts warm.
 FORKSERVER_PRELOAD = ["ddplab.launcher"]
 #: How many lines of a stuck rank's Python stack go into a timeout message.
@@ -219,7 +223,8 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
         code = 1
         tb = traceback.format_exc()
         try:
-            _send(("error", {"type": type(exc).__name__, "message": str(exc), "traceback": tb}))
+            _send(("error", {"type": type(exc).__name__, "message": str(exc), "traceback": tb,
+                             "time": time.time()}))
         except Exception:  # noqa: BLE001 - the pipe may be gone with the parent
             pass
     finally:
@@ -311,6 +316,7 @@ class Launch:
         self._returns: list = [None] * world_size
         self._returned: set[int] = set()
         self._last_record: dict[int, dict] = {}
+        self._failures: list[dict] = []
         self._t0 = 0.0
         self._stop_requested = threading.Event()
         self._bar = None
@@ -395,7 +401,8 @@ class Launch:
             self._returns[rank] = cloudpickle.loads(body)
             self._returned.add(rank)
         elif kind == "error":
-            self._fail_rank(rank, body)
+            self._failures.append({"kind": "error", "rank": rank, "time": body.get("time", time.time()),
+                                   "seen": time.perf_counter(), "info": body})
 
     def _drain(self, rank: int) -> None:
         conn = self._conns[rank]
@@ -412,13 +419,20 @@ class Launch:
         exited: set[int] = set()
         deadline = self._t0 + self.timeout
         while len(self._returned) < self.world_size:
+            now = time.perf_counter()
+            if self._failures:
+                grace_end = self._failures[0]["seen"] + FAILURE_GRACE
+                if now >= grace_end or len(exited) == self.world_size:
+                    self._raise_failure()
+            else:
+                grace_end = float("inf")
             waitables = [c for c in self._conns if id(c) in open_conns]
             waitables += [p.sentinel for r, p in enumerate(self._procs) if r not in exited]
             waitables.append(self._stop_r)
-            remaining = deadline - time.perf_counter()
+            remaining = deadline - now
             if remaining <= 0:
                 self._fail_timeout()
-            ready = mpc.wait(waitables, timeout=min(remaining, 1.0))
+            ready = mpc.wait(waitables, timeout=max(0.0, min(remaining, 1.0, grace_end - now)))
             if self._stop_requested.is_set():
                 self._fail_stopped()
             for obj in ready:
@@ -430,8 +444,11 @@ class Launch:
                     # Messages sent just before exit may still sit in the pipe.
                     self._drain(rank)
                     open_conns.discard(id(self._conns[rank]))
-                    if rank not in self._returned:
-                        self._fail_died(rank)
+                    errored = any(f["rank"] == rank for f in self._failures)
+                    if rank not in self._returned and not errored:
+                        self._failures.append({"kind": "death", "rank": rank, "time": time.time(),
+                                               "seen": time.perf_counter(),
+                                               "code": self._procs[rank].exitcode})
                     continue
                 rank = conn_rank[id(obj)]
                 try:
@@ -447,32 +464,47 @@ class Launch:
         self._shutdown()
         return self._result()
 
-    def _fail_rank(self, rank: int, info: dict) -> None:
-        result = self._partial()
-        message = (f"rank {rank} of {self.world_size} raised {info['type']}: {info['message']}\n"
-                   f"--- remote traceback (rank {rank}) ---\n{info['traceback'].rstrip()}")
-        err_tail = _tail(result.stderr[rank], 15)
-        if err_tail.strip():
-            message += f"\n--- rank {rank} stderr (last lines) ---\n{err_tail}"
-        raise RankFailed(message, result, rank, info["type"], info["traceback"])
-
-    def _fail_died(self, rank: int) -> None:
-        code = self._procs[rank].exitcode
-        result = self._partial()
+    @staticmethod
+    def _death_text(code: int | None) -> str:
         if code is not None and code < 0:
             try:
-                how = f"was killed by {signal.Signals(-code).name}"
+                return f"was killed by {signal.Signals(-code).name}"
             except ValueError:
-                how = f"was killed by signal {-code}"
-        elif code == 70:
-            how = "exited because its parent went away"
+                return f"was killed by signal {-code}"
+        if code == 70:
+            return "exited because its parent went away"
+        return f"exited with code {code} without returning"
+
+    def _raise_failure(self) -> None:
+        """Stop everything and raise for the failure that caused the others.
+
+        A death comes first (a rank is never killed by a peer's error; peers
+        fail *because* it died); among exceptions, the earliest by the ranks' clocks.
+        """
+        deaths = [f for f in self._failures if f["kind"] == "death"]
+        cause = min(deaths or self._failures, key=lambda f: f["time"])
+        others = [f for f in self._failures if f is not cause]
+        result = self._partial()
+        rank = cause["rank"]
+        if cause["kind"] == "death":
+            message = f"rank {rank} of {self.world_size} {self._death_text(cause['code'])}"
         else:
-            how = f"exited with code {code} without returning"
-        message = f"rank {rank} of {self.world_size} {how}"
+            info = cause["info"]
+            message = (f"rank {rank} of {self.world_size} raised {info['type']}: {info['message']}\n"
+                       f"--- remote traceback (rank {rank}) ---\n{info['traceback'].rstrip()}")
         err_tail = _tail(result.stderr[rank], 15)
         if err_tail.strip():
             message += f"\n--- rank {rank} stderr (last lines) ---\n{err_tail}"
-        raise RankDied(message, result, rank, code)
+        if others:
+            lines = []
+            for f in sorted(others, key=lambda f: f["rank"]):
+                what = (self._death_text(f["code"]) if f["kind"] == "death" else
+                        f"raised {f['info']['type']}: {f['info']['message'].splitlines()[0][:200]}")
+                lines.append(f"  rank {f['rank']} {what}")
+            message += "\n--- then, as a consequence ---\n" + "\n".join(lines)
+        if cause["kind"] == "death":
+            raise RankDied(message, result, rank, cause["code"])
+        raise RankFailed(message, result, rank, cause["info"]["type"], cause["info"]["traceback"])
 
     def _fail_timeout(self) -> None:
         pending = [r for r in range(self.world_size) if r not in self._returned]

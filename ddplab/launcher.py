@@ -33,6 +33,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -45,6 +46,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable
 
 import cloudpickle
@@ -62,6 +64,8 @@ __all__ = [
     "RankDied",
     "LaunchTimeout",
     "LaunchStopped",
+    "observe",
+    "stop_all",
 ]
 
 #: Seconds before a launch is declared hung; far below gloo's 30-minute default.
@@ -76,6 +80,35 @@ FAILURE_GRACE = 0.4
 FORKSERVER_PRELOAD = ["ddplab.launcher"]
 #: How many lines of a stuck rank's Python stack go into a timeout message.
 STACK_LINES = 30
+
+
+# --------------------------------------------------------------------------- process-wide hooks
+
+#: Launches running in this process (the explorer's Stop button stops them all).
+_active: "weakref.WeakSet[Launch]" = weakref.WeakSet()
+_active_lock = threading.Lock()
+#: Callables ``fn(launch, record)`` that see every record of every launch here.
+_observers: list[Callable] = []
+
+
+@contextlib.contextmanager
+def observe(fn: Callable[["Launch", dict], None]):
+    """Call ``fn(launch, record)`` for every record any launch in this process
+    receives inside the block (progress for callers that launch indirectly)."""
+    _observers.append(fn)
+    try:
+        yield
+    finally:
+        _observers.remove(fn)
+
+
+def stop_all() -> int:
+    """Stop every launch running in this process; return how many were asked."""
+    with _active_lock:
+        running = list(_active)
+    for runner in running:
+        runner.stop()
+    return len(running)
 
 
 # --------------------------------------------------------------------------- results
@@ -359,6 +392,8 @@ class Launch:
         except BaseException:
             self._shutdown()
             raise
+        with _active_lock:
+            _active.add(self)
         if self.progress:
             from ddplab.progress import progress_bar
             self._bar = progress_bar(total=self.progress, desc=self.progress_desc)
@@ -394,6 +429,8 @@ class Launch:
             self._last_record[rank] = body
             if self.on_record is not None:
                 self.on_record(body)
+            for fn in list(_observers):
+                fn(self, body)
             if self._bar is not None and rank == 0 and body.get("step") is not None:
                 self._bar.update(max(0, min(self.progress, body["step"] + 1) - self._bar.n))
                 self._bar.set_postfix_str(f"{body['metric']}={body['value']:.6g}", refresh=False)
@@ -546,6 +583,8 @@ class Launch:
 
     def _shutdown(self) -> None:
         """Stop every rank and its children; idempotent."""
+        with _active_lock:
+            _active.discard(self)
         if self._bar is not None:
             self._bar.close()
             self._bar = None

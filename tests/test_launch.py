@@ -349,3 +349,29 @@ def test_launch_from_a_jupyter_kernel(tmp_path):
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = "".join(o.get("text", "") for o in nb.cells[1].outputs)
     assert "OK [8.0, 8.0] [3, 3, 3]" in text
+
+
+def test_observers_and_stop_all_reach_indirect_launches(no_leftovers):
+    from ddplab.launcher import observe, stop_all
+
+    seen = []
+    outcome = {}
+
+    def background():
+        try:
+            launch(long_running, world_size=2, timeout=60)
+        except LaunchStopped as exc:
+            outcome["stopped"] = exc
+
+    def on_record(runner, rec):
+        seen.append((runner.world_size, rec["metric"]))
+        if len(seen) == 10:
+            threading.Thread(target=stop_all).start()  # as the explorer's Stop button does
+
+    with observe(on_record):
+        worker = threading.Thread(target=background)
+        worker.start()
+        worker.join(60)
+    assert "stopped" in outcome and len(seen) >= 10
+    assert seen[0][0] == 2
+    assert _all_gone(_pids(outcome["stopped"].records))

@@ -60,10 +60,10 @@ def abs_sum(contributions) -> torch.Tensor:
     total = torch.zeros(c.numel, dtype=torch.float64)
     if c.streams_rows:
         for r in range(c.world_size):
-            total += c.row(r).to(torch.float64).abs_()
+            total += c.row(r).to(torch.float64).abs()   # not abs_(): .to() may return the caller's tensor
         return total
     for start, stop, cols in c.blocks(max(1, (8 << 20) // (8 * c.world_size))):
-        total[start:stop] = cols.to(torch.float64).abs_().sum(0)
+        total[start:stop] = cols.to(torch.float64).abs().sum(0)
     return total
 
 

@@ -172,7 +172,7 @@ def test_verdict_flags_ddp_changing_bits_with_the_same_seed_as_a_bug():
                      _params())
     assert v.kind == "bug"
     assert not v.holds("ddp_changed_no_bit") and not v.holds("replicas_equal_after_ddp")
-    assert "rank 1: 1 of 1 changed" in v.finding("ddp_changed_no_bit").evidence
+    assert "rank 1: 1 of 1 tensors changed" in v.finding("ddp_changed_no_bit").evidence
     assert v.holds("norm_moves_only_with_bits")  # the norm moved, but so did the bits
 
 

@@ -52,8 +52,7 @@ __all__ = [
     "REPORT_NORM_BEFORE", "REPORT_NORM_AFTER", "REPORT_TORCH_VERSION", "STAGES",
     "check_params", "build_linear", "compile_step", "weight_numerics", "worker", "run",
     "verdict", "norm_table", "fingerprint_table", "versions_markdown", "fingerprint_figure",
-    "running_sum_figure",
-    "lanes_figure",
+    "running_sum_figure", "lanes_figure",
 ]
 
 NAME = "half_precision"
@@ -236,8 +235,9 @@ def weight_numerics(weight: torch.Tensor, lanes: list[int]) -> None:
              accumulator="exact")
     emit("norm", float(flat.double().norm()), method="float64 accumulation", stage="before",
          accumulator="float64", device="cpu", torch_version=torch.__version__)
-    emit("norm", float(flat.float().norm()), method="float32 accumulation", stage="before",
-         accumulator="float32", device="cpu", torch_version=torch.__version__)
+    if weight.element_size() <= 4:  # float32 holds 16- and 32-bit weights exactly
+        emit("norm", float(flat.float().norm()), method="float32 accumulation", stage="before",
+             accumulator="float32", device="cpu", torch_version=torch.__version__)
     for k in lanes:
         emit("norm", float(lane_norm(flat, dtype, lanes=k)), method="lanes", lanes=k,
              accumulator=name, stage="before")
@@ -277,6 +277,12 @@ def _one_model(params: dict, dtype: str, rank: int) -> None:
     _torch_norms(model, "before")
     if rank == 0:
         weight_numerics(model.weight.detach(), params["lanes"])
+        if torch.cuda.is_available():
+            # The report's "after" norm ran on cuda:rank; measure that kernel on the same bits.
+            try:
+                _torch_norms(model, "before", device="cuda")
+            except Exception as exc:  # noqa: BLE001 - the GPU norm is an extra, never fatal
+                emit("cuda_norm_ok", 0, error=f"{type(exc).__name__}: {exc}"[:300])
 
     wrapped, facts = compile_step(model)
     emit("compile_ok", int(facts["ok"]), stage="compile", error=facts["error"])
@@ -291,11 +297,6 @@ def _one_model(params: dict, dtype: str, rank: int) -> None:
     emit("same_parameter_objects", int(_same_parameters(ddp, model)), stage="ddp")
     _emit_fingerprints(model, "ddp", own_before, rank0_before)
     _torch_norms(model, "ddp")
-    if rank == 0 and torch.cuda.is_available():
-        try:
-            _torch_norms(model, "ddp", device="cuda")
-        except Exception as exc:  # noqa: BLE001 - the GPU norm is an extra, never fatal
-            emit("cuda_norm_ok", 0, error=f"{type(exc).__name__}: {exc}"[:300])
     del ddp
 
 
@@ -365,14 +366,15 @@ def _ddp_finding(records, same_init: bool) -> tuple[Finding, Finding, bool]:
     n_changed = int(changed["value"].sum()) if total else 0
     per_rank = {r: (int(changed[changed["rank"] == r]["value"].sum()),
                     int((changed["rank"] == r).sum())) for r in ranks}
-    described = "; ".join(f"rank {r}: {c} of {n} changed" for r, (c, n) in per_rank.items())
+    described = "; ".join(f"rank {r}: {c} of {n} tensors changed" for r, (c, n) in per_rank.items())
     agree = Finding(
         "replicas_equal_after_ddp",
         "After wrapping, every rank holds rank 0's initial weights bit for bit "
         "(DDP's contract: replicas start equal)",
         holds=len(matches) > 0 and bool((matches["value"] == 1).all()),
-        evidence=(f"{int(matches['value'].sum())} of {len(matches)} tensor fingerprints equal "
-                  f"rank 0's before wrapping" if len(matches) else "no fingerprints recorded"))
+        evidence=(f"after wrapping, {int(matches['value'].sum())} of {len(matches)} tensor "
+                  f"fingerprints (all ranks) equal rank 0's from before wrapping"
+                  if len(matches) else "no fingerprints recorded"))
     if same_init:
         finding = Finding(
             "ddp_changed_no_bit",
@@ -387,7 +389,7 @@ def _ddp_finding(records, same_init: bool) -> tuple[Finding, Finding, bool]:
                 for r in others}
     replaced = all(per_rank[r][0] == differed[r] and differed[r] > 0 for r in others)
     now_rank0 = {r: int(matches[matches["rank"] == r]["value"].sum()) for r in others}
-    detail = "; ".join(f"rank {r}: {per_rank[r][0]} of {per_rank[r][1]} changed, "
+    detail = "; ".join(f"rank {r}: {per_rank[r][0]} of {per_rank[r][1]} tensors changed, "
                        f"{now_rank0[r]} now equal to rank 0's initial (before wrapping: "
                        f"{per_rank[r][1] - differed[r]})" for r in others) or "no rank other than 0"
     finding = Finding(
@@ -395,7 +397,7 @@ def _ddp_finding(records, same_init: bool) -> tuple[Finding, Finding, bool]:
         "DDP's constructor broadcast rank 0's weights: rank 0 kept every bit, each other "
         "rank's differing weights were replaced by rank 0's (a real change, by design)",
         holds=rank0_kept and bool(others) and replaced and agree.holds,
-        evidence=f"rank 0: {per_rank.get(0, (0, 0))[0]} of {per_rank.get(0, (0, 0))[1]} changed; "
+        evidence=f"rank 0: {per_rank.get(0, (0, 0))[0]} of {per_rank.get(0, (0, 0))[1]} tensors changed; "
                  f"{detail}")
     return finding, agree, not rank0_kept
 
@@ -646,25 +648,27 @@ def fingerprint_table(records):
 
 
 def norm_table(records):
-    """Every norm rank 0 measured of its initial weights, one row per method, one column per dtype.
+    """Every norm rank 0 computed of its initial weights on the CPU: a row per method, a column per dtype.
 
     Values are float64 copies of what was computed (float16 results are exact in them).
     """
-    norms = _rows(records, "norm", rank=0, stage="before").copy()
+    import pandas as pd
+
+    norms = _rows(records, "norm", rank=0, stage="before")
     if "device" in norms:
         norms = norms[norms["device"].fillna("cpu") == "cpu"]
-    labels = []
-    for method, lanes in zip(norms["method"], norms.get("lanes", [None] * len(norms))):
-        labels.append(f"K={int(lanes)} lanes" if method == "lanes" else method)
-    norms["how"] = labels
-    order = {m: i for i, m in enumerate(["torch.norm", "torch.linalg.vector_norm", "exact",
-                                         "float64 accumulation", "float32 accumulation"])}
-    norms["order"] = [order.get(h, 10 + (int(k) if k == k else 0))
-                      for h, k in zip(norms["how"], norms.get("lanes", [float("nan")] * len(norms)))]
-    table = norms.pivot_table(index=["order", "how"], columns="dtype", values="value",
-                              aggfunc="first")
-    table.index = table.index.droplevel("order")
+    rows = {}
+    for method in ("torch.norm", "torch.linalg.vector_norm", "exact", "float64 accumulation",
+                   "float32 accumulation"):
+        sub = norms[norms["method"] == method]
+        if len(sub):
+            rows[method] = sub.set_index("dtype")["value"]
+    lanes = norms[norms["method"] == "lanes"]
+    for k in sorted(int(k) for k in lanes["lanes"].unique()):
+        rows[f"K={k} lanes"] = lanes[lanes["lanes"] == k].set_index("dtype")["value"]
+    table = pd.DataFrame(rows).T
     table.index.name = "norm of rank 0's weights"
+    table.columns.name = "dtype"
     return table
 
 
@@ -786,13 +790,18 @@ def versions_markdown(records) -> str:
     the true norm (error in ulps of the weights' dtype, and relative) and with
     every K-lane model of the weights' dtype that gives the same value.
     """
-    lines = ["| torch | device | weights | torch.norm | true norm | error (ulps) | relative error | "
+    lines = ["| torch | device | weights | torch.norm | true norm (weights built here) | error (ulps) | "
+             "relative error | "
              "K-lane models giving the same |", "|---|---|---|---|---|---|---|---|"]
     rows = []
     true16 = _reference_norm(records, "float16")
     report_k = [k for k, v in _lane_norms(records, "float16").items() if v == REPORT_NORM_BEFORE]
-    rows.append((f"{REPORT_TORCH_VERSION} (the report)", "CPU", "float16", REPORT_NORM_BEFORE,
-                 true16, report_k))
+    rows.append((f"{REPORT_TORCH_VERSION} (the report, before wrapping)", "CPU", "float16",
+                 REPORT_NORM_BEFORE, true16, report_k))
+    # The report's "after" norm ran on cuda:rank (the script's .to(rank)).
+    after_k = [k for k, v in _lane_norms(records, "float16").items() if v == REPORT_NORM_AFTER]
+    rows.append((f"{REPORT_TORCH_VERSION} (the report, after .to(rank) and wrapping)", "CUDA",
+                 "float16", REPORT_NORM_AFTER, true16, after_k))
     for dtype in list(dict.fromkeys(_rows(records, "norm", method="lanes")["dtype"])):
         version = _rows(records, "norm", method="torch.norm", dtype=dtype)["torch_version"]
         version = str(version.iloc[0]) if len(version) else "?"

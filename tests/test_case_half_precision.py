@@ -115,7 +115,8 @@ LANES = {1: 2.0, 2: 2.828125, 4: 4.0, 8: 5.65625, 16: 8.0, 32: 11.3125}
 
 
 def _records(*, world_size=2, same_init=True, ddp_changes=(), broadcast_matches=True,
-             compile_error=None, torch_norm=13.078125, lanes=LANES, norm_moves_on=()):
+             compile_error=None, torch_norm=13.078125, lanes=LANES, norm_moves_on=(),
+             cuda_norm=None):
     """A consistent record set like the worker's, with one fault planted at a time.
 
     ``ddp_changes``: ranks whose weights DDP changed; ``broadcast_matches``:
@@ -143,6 +144,9 @@ def _records(*, world_size=2, same_init=True, ddp_changes=(), broadcast_matches=
         recs.append(record("same_parameter_objects", 1, stage="compile", rank=rank, dtype="float16"))
     zero = dict(rank=0, dtype="float16")
     recs.append(record("norm", TRUE_NORM, method="exact", stage="before", **zero))
+    if cuda_norm is not None:
+        recs.append(record("norm", cuda_norm, stage="before", method="torch.norm", device="cuda",
+                           param="weight", torch_version="2.13.0+cpu", **zero))
     for k, v in lanes.items():
         recs.append(record("norm", v, method="lanes", lanes=k, accumulator="float16", stage="before", **zero))
         for lane in range(k):
@@ -209,6 +213,22 @@ def test_verdict_flags_a_norm_that_moves_over_unchanged_bits():
     finding = v.finding("norm_moves_only_with_bits")
     assert not finding.holds and "rank 0 float16 ddp" in finding.evidence
     assert v.holds("ddp_changed_no_bit")
+
+
+def test_verdict_judges_a_cuda_norm_when_one_was_measured():
+    assert "cuda_norm_no_artifact" not in [f.key for f in case.verdict(_records(), _params()).findings]
+    assert case.verdict(_records(cuda_norm=13.078125), _params()).holds("cuda_norm_no_artifact")
+    assert not case.verdict(_records(cuda_norm=13.0625), _params()).holds("cuda_norm_no_artifact")
+
+
+def test_versions_table_is_computed_from_the_records():
+    table = case.versions_markdown(_records(cuda_norm=13.078125))
+    rows = {line.split("|")[1].strip() + " " + line.split("|")[2].strip(): line
+            for line in table.splitlines()[2:]}
+    assert "| -1250 |" in rows["2.0 (the report, before wrapping) CPU"]
+    assert rows["2.0 (the report, before wrapping) CPU"].rstrip().endswith("| K=8 |")
+    assert "| 0 |" in rows["2.13.0+cpu (installed) CPU"]
+    assert "| 0 |" in rows["2.13.0+cpu (installed) CUDA"]
 
 
 # --------------------------------------------------------------------------- real ranks

@@ -292,3 +292,21 @@ def test_bad_input_is_rejected_before_work():
         exact_sum(torch.ones(2, 3), dtype="float8")
     with pytest.raises(ValueError, match="op"):
         exact_parts(torch.ones(2, 3), op="max")
+
+
+def test_numba_kernels_leave_torchs_thread_count_alone():
+    # numba's OpenMP layer shares torch's runtime and would reset its thread count,
+    # changing how torch's later reductions split (and so their bits).
+    from ddplab.numerics import measure, reproducible_sum
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        x = torch.randn(4, 5000, generator=torch.Generator().manual_seed(5))
+        exact_sum(x), exact_mean(x), exact_parts(x, "avg"), reproducible_sum(x)
+        exact_sum(as_contributions(lambda r: x[r], world_size=4))
+        round_to_dtype(x[0].double(), x[1].double() * 1e-9, torch.float16)
+        measure(reduce(x, "gloo_ring"), x, "gloo_ring")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -33,6 +33,7 @@ import torch
 from numba import njit, prange
 
 from ddplab.numerics import _bignum
+from ddplab.numerics._parallel import within_torch_threads
 from ddplab.numerics._rounding import round_scaled, two_prod, two_sum
 from ddplab.numerics.contributions import Contributions, as_contributions
 from ddplab.numerics.fpformat import float_format, parse_dtype
@@ -228,6 +229,7 @@ def _out_array(n: int, p: int) -> np.ndarray:
     return np.empty(n, np.float64 if p == 53 else np.float32)
 
 
+@within_torch_threads
 def _reduce_exact(c: Contributions, divisor: int, fmt, parts: bool):
     p, emin, emax = (53, -1022, 1023) if parts else (fmt.p, fmt.emin, fmt.emax)
     n = c.numel
@@ -326,6 +328,7 @@ def exact_parts(contributions, op: str = "sum") -> tuple[torch.Tensor, torch.Ten
     return torch.from_numpy(hi), torch.from_numpy(lo)
 
 
+@within_torch_threads
 def round_to_dtype(hi, lo, dtype) -> torch.Tensor:
     """Correctly round the exact values ``hi + lo`` (float64 tensors of one shape) to ``dtype``.
 

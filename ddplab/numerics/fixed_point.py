@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from ddplab.numerics._parallel import within_torch_threads
 from ddplab.numerics._programs import Arithmetic, run
 from ddplab.numerics._rounding import round_scaled
 from ddplab.numerics.contributions import as_contributions
@@ -129,6 +130,7 @@ def _round_int_scaled(q, scale, p, emin, emax, out):
         out[i] = round_scaled(hi, lo, scale[i], p, emin, emax)
 
 
+@within_torch_threads
 def dequantize(q_sum: torch.Tensor, exponent: torch.Tensor, world_size: int, dtype, *,
                block_size: int | None = None) -> torch.Tensor:
     """y = RN(Q * 2^-k) in ``dtype``, one correct rounding of the exact integer sum.

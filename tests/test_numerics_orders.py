@@ -146,6 +146,21 @@ def test_averaging_variants_match_the_reference(dtype, averaging):
             assert_same_bits(got, reference(x, order, averaging=averaging), f"{order} {averaging} W={w}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_float32_reciprocal_is_what_torch_mul_does(dtype):
+    # DDP's reducer without a hook scales each gradient with grad.mul_(1/W).
+    for w in (3, 5, 6):
+        x = sample(w, 999, dtype, seed=w)
+        scaled = torch.stack([x[r].clone().mul_(1.0 / w) for r in range(w)])
+        for order in ("sequential", "gloo_ring", "nccl_ring"):
+            got = reduce(x, order, op="avg", averaging="multiply_float32_reciprocal")
+            assert torch.equal(got, reduce(scaled, order)), (order, w)
+        ncclish = reduce(x, "sequential", op="avg", averaging="multiply_reciprocal")
+        same = torch.equal(ncclish, reduce(x, "sequential", op="avg", averaging="multiply_float32_reciprocal"))
+        # For half types torch multiplies by float32's 1/W, NCCL by the dtype's.
+        assert same == (dtype in (torch.float32, torch.float64))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=IDS)
 def test_accumulate_in_float32_rounds_once(dtype):
     for w in (3, 8):

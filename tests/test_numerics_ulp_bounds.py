@@ -95,7 +95,8 @@ def test_every_order_stays_within_its_bound(dtype):
         for order in ORDERS:
             variants = [dict(op="sum"), dict(op="avg")]
             if order != "exact":
-                variants += [dict(op="avg", averaging=a) for a in ("divide_first", "multiply_reciprocal")]
+                variants += [dict(op="avg", averaging=a)
+                             for a in ("divide_first", "multiply_reciprocal", "multiply_float32_reciprocal")]
                 if dtype in (torch.float16, torch.bfloat16):
                     variants += [dict(op="sum", accumulate=torch.float32),
                                  dict(op="avg", averaging="divide_first", accumulate=torch.float32)]

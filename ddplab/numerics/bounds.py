@@ -117,11 +117,11 @@ def rounding_bound(contributions, order: str, dtype=None, *, op: str = "sum", av
     depth = _depth_per_element(order, c.numel, w, element_size, opts)
     # Roundings a contribution suffers before its first addition.
     leaf = int(float_format(data_dtype).p > fmt_acc.p)
-    scaled = averaging in ("divide_first", "multiply_reciprocal")
+    scaled = averaging in ("divide_first", "multiply_reciprocal", "multiply_float32_reciprocal")
     if averaging == "divide_first":
         leaf += 1
-    elif averaging == "multiply_reciprocal":
-        leaf += 2                          # fl(1/W), then the product
+    elif averaging in ("multiply_reciprocal", "multiply_float32_reciprocal"):
+        leaf += 2                          # fl(1/W), then the product; float32's extra rounding < u of a half type
     bound = _gamma_tensor(depth + leaf, u_a) * total
     if scaled:
         bound = bound / w + w * eta_a      # each scaled contribution may underflow by η/2

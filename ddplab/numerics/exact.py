@@ -256,8 +256,8 @@ def _stream_exact(c: Contributions, divisor, p, emin, emax, parts, out, out_lo) 
     """
     n = c.numel
     partials = np.zeros((_STREAM_PARTIALS, n), np.float64)
-    count = np.zeros(n, np.int64)
-    flags = np.zeros(n, np.int64)
+    count = np.zeros(n, np.int8)
+    flags = np.zeros(n, np.int8)
     for r in range(c.world_size):
         row = c.row(r)
         if row.dtype not in (torch.float32, torch.float64):

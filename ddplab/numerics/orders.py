@@ -34,9 +34,13 @@ Orders (chunk c is the part of the buffer that rank c finishes):
 * ``exact``: the correctly rounded sum or mean (:mod:`ddplab.numerics.exact`).
 
 Averaging (``op="avg"``): ``divide_first`` (DDP's default comm hook: each rank
-divides by W, then SUM), ``sum_then_divide`` (gloo's AVG), and
+divides by W, then SUM), ``sum_then_divide`` (gloo's AVG),
 ``multiply_reciprocal`` (NCCL's ncclAvg on floats: each contribution is
-multiplied by fl(1/W) in the dtype as it enters the sum).
+multiplied by fl(1/W) in the dtype as it enters the sum) and
+``multiply_float32_reciprocal`` (DDP's reducer without a hook:
+``grad.mul_(1/W)``, which torch computes for float16/bfloat16 in float32, with
+float32's 1/W, rounding to the dtype after; the same as
+``multiply_reciprocal`` for float32 and float64).
 
 Example::
 
@@ -71,7 +75,7 @@ __all__ = [
 ]
 
 ORDERS = ("sequential", "reverse", "pairwise", "gloo_ring", "nccl_ring", "nccl_tree", "exact")
-AVERAGING = ("divide_first", "sum_then_divide", "multiply_reciprocal")
+AVERAGING = ("divide_first", "sum_then_divide", "multiply_reciprocal", "multiply_float32_reciprocal")
 
 # gloo::AllreduceOptions::kMaxSegmentSize: each send/recv moves at most 1 MiB.
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
@@ -366,6 +370,13 @@ def _arithmetic(dtype, order, op, averaging, accumulate, world_size) -> Arithmet
         return Arithmetic(dtype, compute, scale="div", scale_value=world_size)
     if averaging == "multiply_reciprocal":
         recip = torch.tensor(1.0 / world_size, dtype=torch.float64).to(compute).item()
+        return Arithmetic(dtype, compute, scale="mul", scale_value=recip)
+    if averaging == "multiply_float32_reciprocal":
+        # torch's mul_ by a Python float casts it to the op's compute type, float32
+        # for the half types (and float64 for float64): pass float32's 1/W and let
+        # torch do exactly that.
+        wide = torch.float64 if compute == torch.float64 else torch.float32
+        recip = torch.tensor(1.0 / world_size, dtype=torch.float64).to(wide).item()
         return Arithmetic(dtype, compute, scale="mul", scale_value=recip)
     return Arithmetic(dtype, compute, post_divide=world_size)
 

@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import Dataset
 
 __all__ = ["DATASETS", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_TRAIN_FILES", "CIFAR10_TEST_FILE",
-           "ImageDataset", "digits", "cifar10", "load_dataset"]
+           "ImageDataset", "digits", "cifar10", "check_cifar10", "load_dataset"]
 
 #: Data set names :func:`load_dataset` accepts.
 DATASETS = ("digits", "cifar10")
@@ -77,15 +77,42 @@ class ImageDataset(Dataset):
                 f"dtype={self.images.dtype}, classes={self.num_classes})")
 
 
-def digits(dtype: torch.dtype = torch.float32) -> ImageDataset:
-    """scikit-learn's handwritten digits as ``[1797, 1, 8, 8]`` standardized images."""
+def _digits_file() -> pathlib.Path | None:
+    """scikit-learn's digits.csv.gz, located without importing scikit-learn.
+
+    ``import sklearn`` pulls in scipy and costs seconds per process; a case
+    loads the digits in every rank of every launch, so it reads the file
+    scikit-learn ships (the one ``load_digits`` parses) directly.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = pathlib.Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    return None
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    path = _digits_file()
+    if path is not None:
+        # What load_digits does: 64 pixel columns, then the label.
+        table = np.loadtxt(path, delimiter=",")
+        return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    pixels = np.asarray(bunch.images, dtype=np.float64) / 16.0
+    return np.asarray(bunch.images, dtype=np.float64), np.asarray(bunch.target, dtype=np.int64)
+
+
+def digits(dtype: torch.dtype = torch.float32) -> ImageDataset:
+    """scikit-learn's handwritten digits as ``[1797, 1, 8, 8]`` standardized images."""
+    raw, target = _digits_arrays()
+    pixels = raw.astype(np.float64) / 16.0
     pixels = (pixels - pixels.mean()) / pixels.std()
     images = torch.from_numpy(pixels).unsqueeze(1).to(dtype)
-    labels = torch.from_numpy(np.asarray(bunch.target, dtype=np.int64))
+    labels = torch.from_numpy(target)
     return ImageDataset(images, labels, num_classes=10, name="digits")
 
 
@@ -114,10 +141,12 @@ def _read_batch(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
     return data, labels
 
 
-def cifar10(data_root, train: bool = True, dtype: torch.dtype = torch.float32) -> ImageDataset:
-    """CIFAR-10 from the python batches in ``data_root``, normalized as in the report.
+def check_cifar10(data_root, train: bool = True) -> pathlib.Path:
+    """The folder holding the CIFAR-10 batches under ``data_root``, without reading them.
 
-    Raises FileNotFoundError naming the missing files and where to get them.
+    Raises ValueError without ``data_root`` and FileNotFoundError naming the
+    missing files and where to get them -- cheap enough to call before any
+    rank starts.
     """
     folder = _cifar_dir(data_root)
     names = CIFAR10_TRAIN_FILES if train else (CIFAR10_TEST_FILE,)
@@ -127,6 +156,16 @@ def cifar10(data_root, train: bool = True, dtype: torch.dtype = torch.float32) -
             f"CIFAR-10 python batches missing in {folder}: {', '.join(missing)}. Download "
             f"cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, unpack it "
             f"and pass data_root=<the folder holding {CIFAR10_FOLDER}/ or its files>")
+    return folder
+
+
+def cifar10(data_root, train: bool = True, dtype: torch.dtype = torch.float32) -> ImageDataset:
+    """CIFAR-10 from the python batches in ``data_root``, normalized as in the report.
+
+    Raises FileNotFoundError naming the missing files and where to get them.
+    """
+    folder = check_cifar10(data_root, train)
+    names = CIFAR10_TRAIN_FILES if train else (CIFAR10_TEST_FILE,)
     parts = [_read_batch(folder / n) for n in names]
     data = np.concatenate([p[0] for p in parts])
     labels = np.concatenate([p[1] for p in parts])

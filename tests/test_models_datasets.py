@@ -103,6 +103,9 @@ def test_digits_shape_normalization_and_order():
     from sklearn.datasets import load_digits
     raw = load_digits()
     assert torch.equal(ds.labels, torch.from_numpy(raw.target).long())
+    # The file read directly is the one load_digits parses: same pixels, same order.
+    expected = (raw.images / 16.0 - (raw.images / 16.0).mean()) / (raw.images / 16.0).std()
+    assert np.array_equal(ds.images[:, 0].numpy(), expected)
     # The map is affine and increasing: pixel ranks are kept.
     flat = ds.images[0].flatten().numpy()
     assert np.array_equal(np.argsort(flat, kind="stable"), np.argsort(raw.images[0].flatten(), kind="stable"))

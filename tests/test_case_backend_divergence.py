@@ -1,0 +1,319 @@
+"""Case 01, backend divergence: validation, the run plan, the verdict rule, and the notebook."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from ddplab.cases import backend_divergence as case
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / case.NOTEBOOK
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("given, match", [
+    ({"orders": ["gloo", "nccl_ring"]}, r"parameter 'orders'.*must include 'exact'"),
+    ({"orders": ["gloo", "mpi", "exact"]}, r"parameter 'orders'.*from gloo"),
+    ({"orders": ["nccl_live_ring", "exact"]}, r"parameter 'orders'.*need backend='nccl'"),
+    ({"backend": "nccl"}, r"parameter 'backend'.*needs CUDA GPUs"),
+    ({"data": "cifar10"}, r"parameter 'data_root'.*needs the folder"),
+    ({"data_root": "/tmp"}, r"parameter 'data_root'.*only read with data='cifar10'"),
+    ({"world_sizes": [1, 2]}, r"parameter 'world_sizes'.*>= 2"),
+    ({"lr": 0}, r"parameter 'lr'.*must be > 0"),
+    ({"bucket_cap_mb": -1}, r"parameter 'bucket_cap_mb'.*must be > 0"),
+    ({"audit_every": 0}, r"parameter 'audit_every'"),
+    ({"dtype": "float16"}, r"parameter 'dtype'.*float64, float32"),
+    ({"batch_size": 1000}, r"parameter 'batch_size'.*1000 is more than the 899 samples"),
+    ({"stesp": 3}, r"unknown parameter.*'stesp'"),
+])
+def test_bad_parameters_are_named_before_anything_runs(given, match):
+    with pytest.raises(ValueError, match=match):
+        case.check_params(given)
+    with pytest.raises(ValueError, match=match):
+        case.run(given, progress=False)  # run() validates before it launches
+
+
+def test_cifar10_root_is_checked_for_its_files(tmp_path):
+    with pytest.raises(ValueError, match=r"parameter 'data_root'.*data_batch_1"):
+        case.check_params({"data": "cifar10", "data_root": str(tmp_path)})
+
+
+def test_papermill_strings_are_parsed():
+    params = case.check_params({"world_sizes": "[2, 3]", "orders": "gloo,exact", "steps": "4",
+                                "reproducible": "false"})
+    assert params["world_sizes"] == [2, 3] and params["orders"] == ["gloo", "exact"]
+    assert params["steps"] == 4 and params["reproducible"] is False
+
+
+def test_quick_parameters_are_valid():
+    assert case.check_params(case.QUICK)["steps"] < case.PARAMETERS["steps"].default
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def test_default_plan_runs_exact_first_gloo_twice_and_the_reproducible_pair():
+    runs = case.plan_runs(case.check_params({}))
+    names = [r.name for r in runs]
+    assert names[0] == "exact" and runs[0].hook == "order"
+    assert names.count("gloo") == 1 and "gloo (repeat)" in names
+    assert {r.hook for r in runs if r.name.startswith("gloo")} == {"ddp"}  # the live backend
+    assert [r.placement for r in runs if r.order == "reproducible"] == ["identity", "reversed"]
+    assert "gloo (reversed ranks)" in names
+    assert {"nccl_ring", "nccl_tree"} <= set(names)
+    assert len(names) == len(set(names))
+
+
+def test_plan_without_reproducible_or_gloo():
+    runs = case.plan_runs(case.check_params({"orders": ["nccl_ring", "exact"], "reproducible": False}))
+    assert [r.name for r in runs] == ["exact", "nccl_ring"]
+
+
+def test_live_nccl_orders_get_a_launch_each_under_their_nccl_algo():
+    # Only the plan: running it needs GPUs (check_params refuses nccl here).
+    params = case.PARAMETERS.validate({"backend": "nccl", "orders": [
+        "gloo", "nccl_live_ring", "nccl_live_tree", "exact"]})
+    launches = case.plan_launches(params)
+    assert len(launches) == 3
+    main, ring, tree = launches
+    assert "nccl_live_ring" not in [r.name for r in main[0]]
+    assert ring[1]["NCCL_ALGO"] == "Ring" and tree[1]["NCCL_ALGO"] == "Tree"
+    for runs, env in (ring, tree):
+        assert runs[0].name == "exact" and not runs[0].emit  # a silent reference
+        assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+# --------------------------------------------------------------------------- the verdict rule
+
+RUNS = ["exact", "gloo", "gloo (repeat)", "gloo (reversed ranks)", "nccl_ring", "nccl_tree",
+        "reproducible", "reproducible (reversed ranks)"]
+STEPS = 4
+
+
+def _twin(run):
+    """The run whose bits ``run`` shares in a clean rounding story at W > 2."""
+    if run in ("gloo (repeat)",):
+        return "gloo"
+    if run.startswith("reproducible"):
+        return "exact"  # as measured in float64 at W=4: the fixed-point runs track exact
+    return run
+
+
+def _clean_records(sizes=(2, 4)):
+    """Records shaped like a real run in which the rounding story holds."""
+    from ddplab.records import record, to_frame
+
+    recs = []
+    for w in sizes:
+        for run in RUNS:
+            twin = run if w > 2 else "exact"
+            if w > 2:
+                twin = _twin(run)
+            same_as_exact = twin == "exact"
+            tag = RUNS.index(twin)
+            for step in range(STEPS):
+                labels = dict(world_size=w, run=run, dtype="float64")
+                loss = 2.0 - 0.1 * step + (0 if same_as_exact or step == 0 else tag * 1e-16 * step)
+                recs.append(record("loss", loss, step=step, rank=0, **labels))
+                recs.append(record("param_digest", 1000 * step + (0 if same_as_exact else tag),
+                                   step=step, rank=0, **labels))
+                recs.append(record("param_distance", 0.0 if same_as_exact else 1e-16 * (1 + 4 * step),
+                                   step=step, rank=0, **labels))
+                recs.append(record("grad_norm", 3.0 - 0.1 * step, step=step, rank=0, **labels))
+                for rank in range(w):
+                    shard = w - 1 - rank if "reversed" in run else rank
+                    recs.append(record("local_loss", loss + shard, step=step, rank=rank, shard=shard,
+                                       **labels))
+                for bucket in range(2):
+                    exact_like = same_as_exact or run.startswith("reproducible")
+                    audit = dict(max_ulp=0 if exact_like else 512, mean_ulp=0.0 if exact_like else 0.7,
+                                 frac_correctly_rounded=1.0 if exact_like else 0.7,
+                                 max_bound_ratio=0.0 if exact_like else 0.5,
+                                 max_rel_error=0.0 if exact_like else 0.6 * 2.0 ** -53)
+                    for rank in range(w):
+                        for metric, value in audit.items():
+                            recs.append(record(metric, value, step=step, rank=rank, bucket=bucket,
+                                               hook="audit", **labels))
+    return to_frame(recs)
+
+
+def _set(frame, metric, value, **where):
+    mask = frame["metric"] == metric
+    for key, val in where.items():
+        mask &= frame[key] == val
+    assert mask.any(), (metric, where)
+    frame.loc[mask, "value"] = value
+    return frame
+
+
+PARAMS = case.check_params({"steps": STEPS})
+
+
+def test_verdict_holds_on_a_clean_rounding_story():
+    v = case.verdict(_clean_records(), PARAMS)
+    assert v.all_hold, v.to_markdown()
+    assert v.kind == "rounding" and "not a bug" in v.headline
+    assert [f.key for f in v.findings] == ["two_ranks_bitwise", "more_ranks_differ",
+                                            "same_order_reproducible", "no_order_privileged",
+                                            "numerics_md"]
+
+
+@pytest.mark.parametrize("metric, value, where, broken", [
+    # An order that differs at W=2 is not explained by commutativity.
+    ("param_digest", 7, dict(world_size=2, run="nccl_ring", step=2), "two_ranks_bitwise"),
+    ("loss", 1.0, dict(world_size=2, run="gloo", step=1), "two_ranks_bitwise"),
+    # An error beyond the rounding bound is not rounding.
+    ("max_bound_ratio", 3.0, dict(world_size=4, run="nccl_tree", step=1), "more_ranks_differ"),
+    ("max_bound_ratio", 3.0, dict(world_size=4, run="nccl_tree", step=1), "no_order_privileged"),
+    # The same order twice must give the same bits.
+    ("loss", 0.5, dict(world_size=4, run="gloo (repeat)", step=2), "same_order_reproducible"),
+    ("local_loss", 9.0, dict(world_size=2, run="gloo (repeat)", step=3, shard=1),
+     "same_order_reproducible"),
+    # The reproducible hook must make the placements agree.
+    ("param_digest", 5, dict(world_size=4, run="reproducible (reversed ranks)", step=1),
+     "no_order_privileged"),
+    # No divergence from the first step: the W=4 story does not hold.
+    ("frac_correctly_rounded", 1.0, dict(world_size=4, run="gloo", step=0), "more_ranks_differ"),
+    # "A few ulps" on average, not hundreds.
+    ("mean_ulp", 40.0, dict(world_size=4, run="nccl_ring", step=0), "more_ranks_differ"),
+])
+def test_verdict_follows_the_measurements(metric, value, where, broken):
+    frame = _set(_clean_records(), metric, value, **where)
+    v = case.verdict(frame, PARAMS)
+    assert not v.holds(broken), v.finding(broken).evidence
+    assert v.kind == "unexplained" and broken in v.headline
+
+
+def test_verdict_needs_the_gap_to_grow():
+    frame = _clean_records()
+    for run in ("gloo", "nccl_ring"):
+        frame = _set(frame, "param_distance", 1e-16, world_size=4, run=run)
+    v = case.verdict(frame, PARAMS)
+    assert not v.holds("more_ranks_differ")
+    assert "×1" in v.finding("more_ranks_differ").evidence
+
+
+def test_verdict_needs_the_placement_control_to_change_gloo():
+    frame = _clean_records()
+    digests = frame[(frame["metric"] == "param_digest") & (frame["world_size"] == 4)
+                    & (frame["run"] == "gloo")].set_index("step")["value"]
+    for step, value in digests.items():
+        frame = _set(frame, "param_digest", value, world_size=4, run="gloo (reversed ranks)", step=step)
+    v = case.verdict(frame, PARAMS)
+    assert not v.holds("no_order_privileged")
+    assert "control" in v.finding("no_order_privileged").evidence
+
+
+def test_verdict_says_what_was_not_measured():
+    frame = _clean_records(sizes=(4,))
+    v = case.verdict(frame, PARAMS)
+    assert not v.holds("two_ranks_bitwise")
+    assert "not measured" in v.finding("two_ranks_bitwise").evidence
+    assert v.holds("more_ranks_differ") and v.holds("same_order_reproducible")
+
+
+def test_logged_loss_of_a_placement_is_not_compared_bitwise():
+    # The logged loss is a W-term sum whose order the placement changes: it may
+    # differ by an ulp while every shard's own loss and the parameters agree.
+    frame = _set(_clean_records(), "loss", 2.0 + 4e-16, world_size=4,
+                 run="reproducible (reversed ranks)", step=0)
+    assert case.verdict(frame, PARAMS).holds("no_order_privileged")
+
+
+def test_loss_gaps_are_exact_differences_from_the_exact_run():
+    frame = _clean_records()
+    gaps = case.loss_gaps(frame)
+    w2 = gaps[gaps["world_size"] == 2]
+    assert (w2["value"] == 0).all() and "exact" not in set(gaps["run"])
+    w4 = gaps[(gaps["world_size"] == 4) & (gaps["run"] == "nccl_tree")].set_index("step")["value"]
+    assert w4[0] == 0 and w4[3] == pytest.approx(RUNS.index("nccl_tree") * 3e-16, rel=0.5)
+
+
+@pytest.mark.parametrize("figure", ["plot_loss_curves", "plot_loss_gap", "plot_bucket_errors",
+                                    "plot_grad_norms", "plot_param_distance"])
+def test_figures_draw_from_the_records(figure):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ddplab.plots import png_bytes
+
+    import matplotlib.pyplot as plt
+
+    fig = getattr(case, figure)(_clean_records(), PARAMS)
+    try:
+        assert len(fig.axes) >= 2 and png_bytes(fig)[:4] == b"\x89PNG"
+    finally:
+        plt.close(fig)
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+def test_a_real_run_with_four_ranks(no_leftovers):
+    """Live gloo twice and the exact reference, 4 ranks, 2 steps: the measurements, unmocked."""
+    params = {"world_sizes": [4], "orders": ["gloo", "exact"], "steps": 2, "reproducible": False}
+    records = case.run(params, progress=False)
+    runs = set(records.loc[records["metric"] == "loss", "run"])
+    assert runs == {"exact", "gloo", "gloo (repeat)"}
+    same, first, n = case._compare(records, "gloo", "gloo (repeat)", 4,
+                                   by=("loss", "param_digest", "local_loss"))
+    assert same and n == 2
+    audit = records[(records["metric"] == "max_bound_ratio") & (records["run"] == "gloo")]
+    assert set(audit["rank"]) == {0, 1, 2, 3} and audit["value"].max() <= 1
+    exact = records[(records["metric"] == "max_ulp") & (records["run"] == "exact")]
+    assert (exact["value"] == 0).all()  # the reference is the correctly rounded mean
+    assert set(records.loc[records["metric"] == "local_loss", "shard"]) == {0, 1, 2, 3}
+    seconds = records.loc[records["metric"] == "launch_seconds", "value"]
+    print(f"4 ranks, 3 runs, 2 steps: {seconds.iloc[0]:.1f} s")
+
+
+# --------------------------------------------------------------------------- the notebook
+
+
+@pytest.mark.slow
+def test_notebook_runs_and_its_records_support_every_finding(tmp_path):
+    import papermill
+
+    from ddplab.artifacts import load_results
+
+    out = tmp_path / "01.ipynb"
+    papermill.execute_notebook(str(NOTEBOOK), str(out), kernel_name="python3", progress_bar=False,
+                               parameters={"steps": 4, "world_sizes": [2, 4],
+                                           "results_dir": str(tmp_path / "res")})
+    results = load_results(tmp_path / "res")
+    records = results.records
+
+    # The saved verdict is the one the records give, and every finding holds.
+    again = case.verdict(records, results.params)
+    assert again.to_dict() == results.verdict.to_dict()
+    assert {f.key: f.holds for f in results.verdict.findings} == {
+        "two_ranks_bitwise": True, "more_ranks_differ": True, "same_order_reproducible": True,
+        "no_order_privileged": True, "numerics_md": True}
+    assert results.verdict.kind == "rounding"
+
+    # The same conclusions, read from the raw records.
+    loss = case._table(records, "loss")
+    w2, w4 = loss.loc[2], loss.loc[4]
+    for run in ("gloo", "nccl_ring", "nccl_tree"):
+        assert (w2[run] == w2["exact"]).all()                      # 1. W=2: the same bits
+    digest = case._table(records, "param_digest").loc[4]
+    assert (digest["gloo"] != digest["nccl_ring"]).all()           # 2. W=4: differ from step 0
+    ratio = records[(records["metric"] == "max_bound_ratio")
+                    & ~records["run"].str.startswith("reproducible")]["value"]
+    assert len(ratio) and ratio.max() <= 1.0                        # ... within the bound
+    distance = case._table(records, "param_distance").loc[4]["gloo"]
+    assert distance.iloc[-1] > distance.iloc[0] > 0                # ... and the gap grows
+    assert (w4["gloo"] == w4["gloo (repeat)"]).all()               # 3. the same order twice
+    assert (digest["reproducible"] == digest["reproducible (reversed ranks)"]).all()  # 4.
+    assert (digest["gloo"] != digest["gloo (reversed ranks)"]).any()
+
+    # Figures must not vanish (MPLBACKEND=Agg in a kernel gives no image silently).
+    nb = json.loads(out.read_text())
+    images = [c for c in nb["cells"] if c["cell_type"] == "code"
+              for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 5
+    key = [c for c in nb["cells"] if "key-figure" in c.get("metadata", {}).get("tags", [])]
+    assert len(key) == 1 and any("image/png" in o.get("data", {}) for o in key[0]["outputs"])

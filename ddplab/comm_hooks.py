@@ -21,12 +21,13 @@ C++ reducer *multiplies* each gradient by ``1/W`` (``mul_out`` with the
 reciprocal as a scalar, rounded once to the dtype) before an allreduce SUM.
 torch's Python ``allreduce_hook`` *divides* by W instead; the two agree for
 W a power of two and differ in the last bit of many elements otherwise
-(measured on torch 2.13 CPU/gloo, W=3: 860 of 2040 gradient elements).
+(measured on torch 2.13 CPU/gloo, W=3: 860 of the 2040 gradient elements of
+a ``Linear(50, 40)``).
 
-Steps: every state counts optimizer steps itself. DDP reduces buckets in
-index order and ``bucket.is_last()`` marks the last bucket of an iteration,
-after which the count advances; all buckets of one backward see the same
-step. Collectives are only ever issued from the hook itself (never from a
+Steps: every state counts the iterations it reduced (backwards outside
+``no_sync()``), from 0. DDP reduces buckets in index order and
+``bucket.is_last()`` marks an iteration's last bucket, after which the count
+advances; all buckets of one backward see the same step. Collectives are only ever issued from the hook itself (never from a
 future's callback), so every rank issues them in the same order.
 """
 # No "from __future__ import annotations": DDP's register_comm_hook compares
@@ -67,18 +68,26 @@ def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 
 
 @contextlib.contextmanager
-def _torch_threads_kept() -> Iterator[None]:
-    """Undo what numba does to torch's thread count while the numerics run.
+def _rank_threads() -> Iterator[None]:
+    """Run the numerics on this rank's thread budget, and leave torch's as it was.
 
-    numba's parallel loops (OpenMP layer) share torch's OpenMP runtime and
-    leave the calling thread's thread count at numba's (all cores); torch's
-    later kernels would then split their reductions differently and a
-    hooked run would stop being bitwise the same as an unhooked one.
+    The numerics' numba loops default to every core, which W ranks on one
+    machine oversubscribe (their OpenMP threads spin while others wait);
+    they get torch's thread count instead. numba's OpenMP layer also shares
+    torch's runtime and leaves the calling thread's torch thread count at
+    numba's: restored here, or torch's later kernels would split their
+    reductions differently and a hooked run would stop being bitwise the
+    same as an unhooked one.
     """
+    import numba
+
     threads = torch.get_num_threads()
+    numba_threads = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
         yield
     finally:
+        numba.set_num_threads(numba_threads)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
@@ -209,6 +218,11 @@ class AuditState(_StepState):
         return ",".join(self.names.get(id(p), f"?{list(p.shape)}") for p in bucket.parameters())
 
 
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.view(ints) == b.view(ints)
+
+
 def _audit_fut(state: AuditState, bucket: dist.GradBucket, step: int) -> torch.futures.Future:
     group = _group(state.process_group)
     # Copy this rank's contribution first: the live reduction works in place.
@@ -216,17 +230,31 @@ def _audit_fut(state: AuditState, bucket: dist.GradBucket, step: int) -> torch.f
     gathered, work = all_gather_flat(local, group=group, async_op=True)
     live = state._live(bucket)
     index, params, rank = bucket.index(), state._bucket_params(bucket), dist.get_rank()
+    # One rank per bucket measures the result in full, in rotation.
+    auditor = (step + index) % state.world_size == dist.get_rank(group)
+    labels = dict(hook="audit", params=params, **state.labels)
 
     def audit(fut: torch.futures.Future) -> torch.Tensor:
         for f in fut.value():  # surface a failed collective as that failure
             f.value()
         result = _first_tensor(live.value())
-        # The exact reference is computed on the CPU (float64 + exact fallback).
-        with _torch_threads_kept():
+        mine, contributions = result.detach().cpu(), gathered.cpu()
+        with _rank_threads():
+            # The result the backend's order gives, the same on every rank: a
+            # live result equal to it bit for bit is that order's rounding.
+            expected = _orders.reduce(contributions, state.order, op="avg",
+                                      averaging=None if state.order == "exact" else state.averaging)
+            matches = _bitwise_equal(mine, expected)
+            differs = not bool(matches.all())
+            _records.emit("matches_order", float(matches.to(torch.float64).mean()), step=step,
+                          bucket=index, rank=rank, order=state.order, **labels)
+            if not (auditor or differs):
+                return result
+            # The exact reference is computed on the CPU (float64 + exact fallback).
             recs = _accuracy.error_records(
-                result.detach().cpu(), gathered.cpu(), state.order, op="avg",
-                averaging=state.averaging, step=step, rank=rank, bucket=index, hook="audit",
-                params=params, **state.labels)
+                mine, contributions, state.order, op="avg", averaging=state.averaging, step=step,
+                rank=rank, bucket=index, reason="rotation" if auditor else "differs_from_order",
+                **labels)
         within = next(r["value"] for r in recs if r["metric"] == "within_bound")
         verdict = "rounding" if within == 1.0 else "not rounding"
         for rec in recs:
@@ -250,16 +278,29 @@ def audit_hook(state: AuditState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     Returns the live reduction's result unchanged (with the default inner
     hook, bitwise what DDP computes without a hook). On steps divisible by
-    ``state.audit_every`` it also all_gathers every rank's bucket and emits,
-    per bucket and rank, the :data:`ddplab.numerics.accuracy.METRICS`
-    (``numel``, ``max_ulp``, ``mean_ulp``, ``frac_correctly_rounded``,
-    ``max_abs_error``, ``max_rel_error``, ``max_bound_ratio``,
-    ``within_bound``) with labels ``hook="audit"``, ``params`` (the bucket's
-    parameter names), ``order``, ``op``, ``dtype``, ``world_size`` and
-    ``verdict`` ("rounding" when every element's error is within
-    γ_d·Σ|x_r|-style bound of the order, "not rounding" beyond). Cost on an
-    audited step: one all_gather of the bucket (W times its size) and the
-    exact reference; other steps cost nothing extra.
+    ``state.audit_every`` it also all_gathers every rank's bucket and
+
+    * every rank emits ``matches_order``: the fraction of its result's
+      elements bitwise equal to what ``state.order`` computes from the
+      gathered contributions (1.0 on gloo with the default order);
+    * one rank per bucket, in rotation, and every rank whose result differs
+      from the order's anywhere, measure their full result against the
+      correctly rounded mean and emit the
+      :data:`ddplab.numerics.accuracy.METRICS` (``numel``, ``max_ulp``,
+      ``mean_ulp``, ``frac_correctly_rounded``, ``max_abs_error``,
+      ``max_rel_error``, ``max_bound_ratio``, ``within_bound``) with labels
+      ``hook="audit"``, ``params`` (the bucket's parameter names), ``order``,
+      ``op``, ``dtype``, ``world_size``, ``reason`` (``rotation`` or
+      ``differs_from_order``) and ``verdict``: "rounding" when every
+      element's error is within the order's rounding bound (γ_d·Σ|x_r|
+      with d the order's depth), "not rounding" beyond.
+
+    Why not every rank in full: a result equal bit for bit to the order's is
+    measured once for all ranks holding it, and a rank holding anything
+    else -- a fault on that rank alone -- still measures its own. The
+    measurement (W times cheaper this way) is most of an audited step's
+    cost; the rest is one all_gather of the bucket (W times its size).
+    Steps that are not audited cost nothing extra.
 
     Example::
         >>> state = AuditState(audit_every=10, names=ddp_model)
@@ -317,7 +358,7 @@ def order_hook(state: OrderState, bucket: dist.GradBucket) -> torch.futures.Futu
     def reduce_in_order(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()
         averaging = None if state.order == "exact" else state.averaging
-        with _torch_threads_kept():
+        with _rank_threads():
             out = _orders.reduce(gathered.cpu(), state.order, op="avg", averaging=averaging,
                                  **state._user_options)
         # The gather has completed, so the local input can be overwritten.
@@ -404,7 +445,7 @@ def reproducible_hook(state: ReproducibleState,
 
     def dequantize(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()
-        with _torch_threads_kept():
+        with _rank_threads():
             total = _fixed_point.dequantize(q.cpu(), exponent.cpu(), world, buffer.dtype,
                                             block_size=block)
         mean = total.to(buffer.device).div_(world)

@@ -240,10 +240,16 @@ def test_audit_hook_is_bitwise_plain_ddp_and_audits_every_kth_step(no_leftovers)
     assert names == {"0.weight", "0.bias", "2.weight", "2.bias", "5.weight", "5.bias"}
     ratio = recs[recs["metric"] == "max_bound_ratio"]["value"]
     assert (ratio <= 1).all() and (ratio > 0).any()
-    assert set(recs["verdict"].unique()) == {"rounding"}
-    numel = recs[(recs["metric"] == "numel") & recs["run"].isna() & (recs["rank"] == 0)]
-    assert numel.groupby("step")["value"].sum().unique().tolist() == [sum(
-        p.numel() for p in cnn().parameters())]
+    assert set(recs["verdict"].dropna()) == {"rounding"}
+    # Every rank's result is gloo's ring order bit for bit, so one rank per
+    # bucket (in rotation) measured it, for all.
+    assert (recs[recs["metric"] == "matches_order"]["value"] == 1.0).all()
+    measured = recs[recs["metric"] == "numel"]
+    assert set(measured["reason"]) == {"rotation"}
+    assert measured.groupby(["run", "step", "bucket"], dropna=False).size().max() == 1
+    assert set(measured[measured["run"].isna()]["rank"]) == {0, 1, 2, 3}  # the rotation
+    total = sum(p.numel() for p in cnn().parameters())
+    assert set(measured.groupby(["run", "step"], dropna=False)["value"].sum()) == {total}
 
 
 def test_audit_reproduces_ddp_for_three_ranks_where_division_would_not(no_leftovers):
@@ -267,6 +273,8 @@ def test_planted_faults_are_not_rounding_and_two_rank_orders_agree(no_leftovers)
     recs = res.records
     flip = recs[(recs["fault"] == "flip") & (recs["metric"] == "within_bound")]
     assert set(flip["verdict"]) == {"not rounding"} and (flip["value"] == 0).all()
+    assert len(flip) == 2 * 2  # both ranks hold the wrong sum, both measured it
+    assert set(flip["reason"]) == {"differs_from_order", "rotation"}
     assert all(r0["orders_equal_w2"].values()), r0["orders_equal_w2"]
 
 
@@ -275,8 +283,10 @@ def test_clean_audits_raise_no_alarm_across_20_seeds(no_leftovers):
     assert res.returns == [[], [], [], []]
     recs = res.records
     ratios = recs[recs["metric"] == "max_bound_ratio"]["value"]
-    assert len(ratios) == 20 * 2 * 4  # one bucket, two steps, four ranks per seed
+    assert len(ratios) == 20 * 2  # one bucket and two steps per seed, measured by one rank
     assert ratios.max() <= 1.0
+    matches = recs[recs["metric"] == "matches_order"]["value"]
+    assert len(matches) == 20 * 2 * 4 and (matches == 1.0).all()
 
 
 # ---------------------------------------------------------------- tests: order

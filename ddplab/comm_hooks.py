@@ -57,8 +57,9 @@ __all__ = [
 
 #: The order whose rounding bound judges a live result, per backend (both ring depths are W-1).
 BACKEND_ORDER = {"gloo": "gloo_ring", "nccl": "nccl_ring"}
-#: DDP's reducer averages by multiplying with fl(1/W) before the SUM.
-DDP_AVERAGING = "multiply_reciprocal"
+#: DDP's reducer averages by multiplying with 1/W before the SUM (float32's 1/W,
+#: in float32, for half-precision buckets: torch's mul_ by a Python float).
+DDP_AVERAGING = "multiply_float32_reciprocal"
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 

@@ -124,8 +124,13 @@ def audit_against_plain_ddp():
 def audit_matches_ddp_for_three_ranks():
     """W=3: DDP multiplies by fl(1/3); the audit does too, torch's allreduce_hook divides."""
     plain = train(steps=2)
-    return same(plain, train(ch.audit_hook, ch.AuditState(), steps=2)), \
-        same(plain, train(allreduce_hook, None, steps=2))
+    audited = same(plain, train(ch.audit_hook, ch.AuditState(), steps=2))
+    divided = same(plain, train(allreduce_hook, None, steps=2))
+    # float16: torch multiplies by float32's 1/3 in float32; the audit's order emulation knows.
+    half = ch.AuditState(labels={"run": "float16"})
+    half_same = same(train(dtype=torch.float16, steps=2),
+                     train(ch.audit_hook, half, dtype=torch.float16, steps=2))
+    return audited, divided, half_same, half.alarms
 
 
 def planted_faults_and_two_rank_orders():
@@ -254,9 +259,13 @@ def test_audit_hook_is_bitwise_plain_ddp_and_audits_every_kth_step(no_leftovers)
 
 def test_audit_reproduces_ddp_for_three_ranks_where_division_would_not(no_leftovers):
     res = no_leftovers(audit_matches_ddp_for_three_ranks, world_size=3, timeout=90)
-    audit_same, divide_same = res.returns[0]
-    assert audit_same
+    audit_same, divide_same, half_same, half_alarms = res.returns[0]
+    assert audit_same and half_same
     assert not divide_same  # torch's allreduce_hook divides: a different last bit somewhere
+    assert half_alarms == []
+    recs = res.records
+    half = recs[(recs["run"] == "float16") & (recs["metric"] == "matches_order")]
+    assert len(half) == 2 * 3 and (half["value"] == 1.0).all()
 
 
 def test_planted_faults_are_not_rounding_and_two_rank_orders_agree(no_leftovers):

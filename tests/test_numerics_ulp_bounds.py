@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddplab.numerics import (METRICS, ORDERS, abs_sum, classify, error_records, exact_parts, exact_sum,
-                             float_format, gamma, measure, order_depth, pair_bound, reduce, rounding_bound,
+                             float_format, gamma, gloo_ring_segments, measure, order_depth, pair_bound, reduce, rounding_bound,
                              ulp, ulp_distance, unit_roundoff)
 from ddplab.records import to_frame
 
@@ -128,14 +128,13 @@ def test_the_bound_is_nearly_tight_on_adversarial_data(order):
     u = unit_roundoff(torch.float32)
     delta = u * (1 + 2.0 ** -10)
     x = torch.full((w, n), delta)
+    owner = [o for a, b, o in gloo_ring_segments(n, w, 4) for _ in range(a, b)]
     chunk = -(-n // w)
     for i in range(n):
+        # Put the 1 on the rank each order starts element i's chain with.
         first = {"sequential": 0,
-                 "gloo_ring": (0 - 1) % w,            # n < 2W segments of 2 elements: all chunks
-                 "nccl_ring": ((i // chunk) + 1) % w}[order]
-        if order == "gloo_ring":
-            owner = (i // 2) // 2                    # 2W segments of ceil(64/32)=2, 2 per rank
-            first = (owner - 1) % w
+                 "gloo_ring": (owner[i] - 1) % w,        # chunk c starts at rank c-1
+                 "nccl_ring": (i // chunk + 1) % w}[order]  # chunk c starts at rank c+1
         x[first, i] = 1.0
     m = measure(reduce(x, order), x, order)
     assert m["classification"] == "rounding" and m["max_bound_ratio"] > 0.95, m["max_bound_ratio"]

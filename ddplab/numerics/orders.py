@@ -50,13 +50,10 @@ Example::
 """
 from __future__ import annotations
 
-import math
-from typing import Sequence
-
 import torch
 
-from ddplab.numerics._programs import (ADD, Arithmetic, Piece, chain_program, check_program,
-                                       merge_pieces, program_depth, run, tree_program)
+from ddplab.numerics._programs import (ADD, Arithmetic, Piece, chain_program, merge_pieces, program_depth,
+                                       run, tree_program)
 from ddplab.numerics.contributions import as_contributions
 from ddplab.numerics.fpformat import float_format, parse_dtype
 

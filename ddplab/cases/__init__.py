@@ -18,6 +18,9 @@ batch report, the explorer and torchrun all drive it the same way:
     where the case compares several), returning the tidy records DataFrame.
 ``verdict(records, params)``
     the verdict rule: a :class:`ddplab.verdict.Verdict` computed from the records.
+``figures(records, params)``
+    the case's figures (matplotlib Figures, most telling first), for the
+    explorer; the notebook shows the same ones cell by cell.
 """
 from __future__ import annotations
 

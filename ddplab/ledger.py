@@ -95,6 +95,7 @@ class LedgerEntry:
     label: str | None
     shape: tuple[int, ...] | None
     dtype: str | None
+    group_name: str = "0"  # torch's name of the group (the default group is "0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,7 @@ class LedgerProblem:
     seq: int
     kind: str
     values: dict[int, Any]
+    group_name: str = "0"
 
     def __str__(self) -> str:
         shown = ", ".join(f"rank {r}: {v!r}" for r, v in sorted(self.values.items()))
@@ -147,8 +149,8 @@ class LedgerReport:
         """One row per (collective, rank): what each rank issued, and any problem."""
         import pandas as pd
 
-        flagged = {(p.group, p.seq): p.kind for p in self.problems}
-        rows = [dict(dataclasses.asdict(e), problem=flagged.get((e.group, e.seq)))
+        flagged = {(p.group_name, p.seq): p.kind for p in self.problems}
+        rows = [dict(dataclasses.asdict(e), problem=flagged.get((e.group_name, e.seq)))
                 for e in self.entries]
         return pd.DataFrame(rows, columns=[f.name for f in dataclasses.fields(LedgerEntry)] + ["problem"])
 
@@ -163,10 +165,11 @@ class LedgerReport:
 
         by_key: dict[tuple, dict[int, LedgerEntry]] = {}
         for e in self.entries:
-            by_key.setdefault((e.group, e.seq), {})[e.rank] = e
+            by_key.setdefault((e.group_name, e.seq), {})[e.rank] = e
         rows = []
-        for (group, seq), per_rank in sorted(by_key.items()):
+        for (_, seq), per_rank in sorted(by_key.items()):
             ranks = sorted(per_rank)
+            group = per_rank[ranks[0]].group
             for a_i, i in enumerate(ranks):
                 for j in ranks[a_i + 1:]:
                     a, b = per_rank[i], per_rank[j]
@@ -180,12 +183,12 @@ class LedgerReport:
 
     def records(self, rank: int | None = None, **labels: Any) -> list[dict]:
         """Tidy records: metric ``collective_mismatch`` (0 or 1) per collective and rank."""
-        flagged = {(p.group, p.seq): p.kind for p in self.problems}
+        flagged = {(p.group_name, p.seq): p.kind for p in self.problems}
         out = []
         for e in self.entries:
             if rank is not None and e.rank != rank:
                 continue
-            kind = flagged.get((e.group, e.seq))
+            kind = flagged.get((e.group_name, e.seq))
             out.append(_records.record(
                 "collective_mismatch", int(kind is not None), rank=e.rank, seq=e.seq, op=e.op,
                 tensor=e.label, reduce_op=e.reduce_op, shape=None if e.shape is None else str(list(e.shape)),
@@ -201,6 +204,12 @@ def _group_ranks(group) -> tuple[int, ...]:
     if group is None or group is dist.GroupMember.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
+
+
+def _group_name(group) -> str:
+    # Two groups over the same ranks keep separate sequences: key by torch's group name.
+    pg = dist.group.WORLD if group is None else group
+    return str(getattr(pg, "group_name", None) or _group_ranks(group))
 
 
 class CollectiveLedger:
@@ -231,12 +240,12 @@ class CollectiveLedger:
         self.entries: list[LedgerEntry] = []
         self.report: LedgerReport | None = None
         self._lock = threading.Lock()
-        self._seq: dict[tuple[int, ...], int] = {}
+        self._seq: dict[str, int] = {}
         self._local = threading.local()
         self._saved: dict[tuple[Any, str], Callable] = {}
         self._sent = 0
-        self._merged: dict[tuple[tuple[int, ...], int], dict[int, LedgerEntry]] = {}
-        self._counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self._merged: dict[tuple[str, int], dict[int, LedgerEntry]] = {}
+        self._counts: dict[str, dict[int, int]] = {}
 
     # -- labels -----------------------------------------------------------------------
 
@@ -317,12 +326,13 @@ class CollectiveLedger:
             if root is None and group_root is not None:
                 root = _group_ranks(arguments.get("group"))[group_root]
         group = _group_ranks(arguments.get("group"))
+        name = _group_name(arguments.get("group"))
         with self._lock:
-            seq = self._seq.get(group, 0)
-            self._seq[group] = seq + 1
+            seq = self._seq.get(name, 0)
+            self._seq[name] = seq + 1
             self.entries.append(LedgerEntry(group=group, seq=seq, rank=dist.get_rank(), op=fname,
                                             reduce_op=reduce_op, root=root, label=label,
-                                            shape=shape, dtype=dtype))
+                                            shape=shape, dtype=dtype, group_name=name))
 
     # -- install / uninstall ----------------------------------------------------------
 
@@ -380,7 +390,7 @@ class CollectiveLedger:
             self._local.suspended = False
         for rank, entries, rank_counts in gathered:
             for e in entries:
-                self._merged.setdefault((e.group, e.seq), {})[rank] = e
+                self._merged.setdefault((e.group_name, e.seq), {})[rank] = e
             for group, n in rank_counts.items():
                 self._counts.setdefault(group, {})[rank] = n
         entries = [e for key in sorted(self._merged) for _, e in sorted(self._merged[key].items())]
@@ -397,29 +407,27 @@ class CollectiveLedger:
 
 
 def find_problems(entries: Iterable[LedgerEntry],
-                  counts: Mapping[tuple[int, ...], Mapping[int, int]]) -> list[LedgerProblem]:
+                  counts: Mapping[str, Mapping[int, int]]) -> list[LedgerProblem]:
     """Compare the ranks' entries collective by collective; return the disagreements.
 
-    ``counts[group][rank]`` is how many collectives ``rank`` had issued on
-    ``group`` when it reported. A collective some members did not issue is a
-    ``count`` problem once those members have reported past it; otherwise
-    the first field of :data:`CHECKED_FIELDS` whose values differ names the
-    problem (an unlabelled tensor pairs with any label).
+    ``counts[group_name][rank]`` is how many collectives ``rank`` had issued
+    on that group when it reported. A collective some members did not issue
+    is a ``count`` problem; otherwise the first field of
+    :data:`CHECKED_FIELDS` whose values differ names the problem (an
+    unlabelled tensor pairs with any label).
     """
-    merged: dict[tuple[tuple[int, ...], int], dict[int, LedgerEntry]] = {}
+    merged: dict[tuple[str, int], dict[int, LedgerEntry]] = {}
     for e in entries:
-        merged.setdefault((e.group, e.seq), {})[e.rank] = e
+        merged.setdefault((e.group_name, e.seq), {})[e.rank] = e
     reported = {r for per in counts.values() for r in per}
     problems = []
-    for key in sorted(merged):
-        group, seq = key
-        per_rank = merged[key]
+    for (name, seq), per_rank in sorted(merged.items()):
+        group = next(iter(per_rank.values())).group
         members = [r for r in group if r in reported or r in per_rank]
         missing = [r for r in members if r not in per_rank]
         if missing:
-            if all(counts.get(group, {}).get(r, 0) <= seq for r in missing):
-                values = {r: (per_rank[r].op if r in per_rank else None) for r in members}
-                problems.append(LedgerProblem(group, seq, "count", values))
+            values = {r: (per_rank[r].op if r in per_rank else None) for r in members}
+            problems.append(LedgerProblem(group, seq, "count", values, name))
             continue
         for field in CHECKED_FIELDS:
             values = {r: getattr(per_rank[r], field) for r in members}
@@ -427,6 +435,6 @@ def find_problems(entries: Iterable[LedgerEntry],
                 if field == "label" and any(v is None for v in values.values()):
                     continue  # an unlabelled tensor pairs with anything
                 problems.append(LedgerProblem(group, seq, "pairing" if field == "label" else field,
-                                              values))
+                                              values, name))
                 break
     return problems

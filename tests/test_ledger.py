@@ -198,7 +198,7 @@ def test_find_problems_names_the_first_differing_field():
                _entry(0, 3, label=None), _entry(1, 3, label="b"),  # unlabelled pairs with anything
                _entry(0, 4, dtype="float64", label="z"), _entry(1, 4),
                _entry(0, 5)]  # rank 1 never issued #5
-    counts = {(0, 1): {0: 6, 1: 5}}
+    counts = {"0": {0: 6, 1: 5}}
     kinds = [(p.seq, p.kind) for p in find_problems(entries, counts)]
     assert kinds == [(1, "root"), (2, "shape"), (4, "dtype"), (5, "count")]
 

@@ -438,7 +438,9 @@ class ReducerGuard:
     # -- hooks ------------------------------------------------------------------------
 
     def _before_forward(self, module, args):
-        self.check()
+        # Inference mode builds no autograd graph, so it cannot show the accumulators.
+        if not torch.is_inference_mode_enabled():
+            self.check()
         self.forwards += 1
 
     def _after_forward(self, module, args, output):
@@ -544,8 +546,9 @@ def rewrap(ddp_model: DistributedDataParallel, *, comm_hooks: bool = True,
         for hook, state in getattr(ddp_model, "_comm_hooks", []):
             new.register_comm_hook(state, hook)
     # The old wrapper's reducer must not fire again: drop its hooks now rather
-    # than whenever the old object is collected.
-    ddp_model.reducer._remove_autograd_hooks()
+    # than whenever the old object is collected (private API, hence the check).
+    if hasattr(ddp_model.reducer, "_remove_autograd_hooks"):
+        ddp_model.reducer._remove_autograd_hooks()
     return new
 
 

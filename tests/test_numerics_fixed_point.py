@@ -44,6 +44,11 @@ def test_callable_sources_reduce_the_same_integers():
     want = reproducible_sum(x)
     assert torch.equal(reproducible_sum(rows, "pairwise"), want)
     assert torch.equal(reproducible_sum(slices, "nccl_tree"), want)
+    for source in (rows, slices):
+        shuffled = source.permuted([3, 5, 0, 1, 4, 2])
+        assert torch.equal(shuffled.row(0), x[3]) and torch.equal(shuffled.columns(7, 9), x[[3, 5, 0, 1, 4, 2], 7:9])
+        assert torch.equal(reproducible_sum(shuffled, "gloo_ring"), want)
+        assert not torch.equal(reduce(shuffled, "gloo_ring"), reduce(x, "gloo_ring"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=IDS)

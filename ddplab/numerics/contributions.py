@@ -177,17 +177,13 @@ class Contributions:
             return self._tensor
         return torch.stack([self.row(r) for r in range(self.world_size)])
 
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None,
-            elementwise: bool = True) -> "Contributions":
-        """Contributions whose rows are ``fn(x_r)`` (e.g. a conversion or a quantization).
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype | None = None) -> "Contributions":
+        """Contributions whose rows are ``fn(x_r)``; ``fn`` must act elementwise (e.g. quantize, convert).
 
-        With ``elementwise=False``, ``fn`` receives ``(rank, row)`` and the
-        result is a row callable even for a tensor or slice source.
+        Callables stay callables (``fn`` runs on each generated row or slice);
+        ``dtype`` is the result's dtype when it differs from the source's.
         """
         out_dtype = self.dtype if dtype is None else dtype
-        if not elementwise:
-            return Contributions(lambda r: fn(r, self.row(r)), self.world_size, kind="rows",
-                                 numel=self.numel, dtype=out_dtype)
         if self.kind == "tensor":
             return Contributions(fn(self._tensor))
         if self.kind == "slices":

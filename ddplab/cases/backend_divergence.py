@@ -367,9 +367,12 @@ def _cycle(loader):
 def worker(params: dict, runs: list[RunSpec] | None = None) -> dict:
     """Train every run of ``runs`` (default: :func:`plan_runs`) in lockstep on this rank.
 
-    Same seeded initialization for every run and rank; DistributedSampler
-    (shuffle=False) and drop_last as the report; deterministic algorithms.
-    Returns this rank's wall time per phase.
+    As the report: the same seeded initialization for every run and rank,
+    ``DistributedSampler(shuffle=False)`` with ``drop_last``, deterministic
+    algorithms, DDP's defaults (``broadcast_buffers=True``), SGD. Runs
+    under the notebook launcher or torchrun alike; live NCCL orders need a
+    launch of their own (:func:`plan_launches`), so under torchrun set
+    ``NCCL_ALGO`` yourself. Returns this rank's seconds of setup and training.
     """
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
@@ -440,7 +443,7 @@ def run(params: dict, progress: bool = True):
     from ddplab.launcher import launch
 
     params = check_params(params)
-    frames = []
+    recs: list[dict] = []
     for world_size in params["world_sizes"]:
         for runs, env in plan_launches(params):
             t0 = time.perf_counter()
@@ -449,10 +452,10 @@ def run(params: dict, progress: bool = True):
                             env=env, progress=params["steps"] if progress else None,
                             progress_desc=f"{NAME} W={world_size}")
             seconds = time.perf_counter() - t0
-            frames.extend(result.record_list)
-            frames.append(_records.record("launch_seconds", seconds, world_size=world_size,
-                                          runs=len(runs), nccl_algo=env.get("NCCL_ALGO")))
-    return _records.to_frame(frames)
+            recs.extend(result.record_list)
+            recs.append(_records.record("launch_seconds", seconds, world_size=world_size,
+                                        runs=len(runs), nccl_algo=env.get("NCCL_ALGO")))
+    return _records.to_frame(recs)
 
 
 # --------------------------------------------------------------------------- tables
@@ -525,8 +528,12 @@ def _styles(runs) -> dict:
     palette = sns.color_palette("tab10", n_colors=10)
     colors = {REFERENCE: (0.1, 0.1, 0.1)}
     colors.update((base, palette[i]) for i, base in enumerate(known[1:]))
-    return {r: dict(color=colors.get(_base_run(r), (0.6, 0.6, 0.6)), ls=_KIND_STYLE[_kind_of(r)][0],
-                    marker=_KIND_STYLE[_kind_of(r)][1]) for r in runs}
+    def style(run):
+        kind = "placement" if run.endswith(REVERSED_SUFFIX) else _kind_of(run)
+        return _KIND_STYLE[kind]
+
+    return {r: dict(color=colors.get(_base_run(r), (0.6, 0.6, 0.6)), ls=style(r)[0],
+                    marker=style(r)[1]) for r in runs}
 
 
 def _facets(frame, *, ylabel: str, title: str, log: bool = False, zero_label: str | None = None,

@@ -53,8 +53,14 @@ and once per configuration: ``roundtrip_applied`` (labels ``dtype_before``,
 ``dtype_after``, ``device_before``, ``device_after``), ``detector_alarms``
 (how many times the guard raised), ``steps_completed``, ``training_warnings``
 (Python warnings raised while training; label ``messages``). Rank 0 emits
-``configuration_skipped`` (label ``reason``) for what cannot run here and
-``fabric_version``. The parent adds ``launch_seconds``.
+``configuration_skipped`` (labels ``cause``: ``no cuda`` or ``no lightning``,
+and ``reason``) for what cannot run here, and ``fabric_version``. The parent
+adds ``launch_seconds``.
+
+Fabric runs inside ddplab's ranks: :func:`existing_group_environment` is a
+Lightning cluster environment that adopts the process group ddplab already
+initialized (Fabric's launcher then starts no process, and its
+``_init_dist_connection`` returns early on an initialized group).
 
 Example::
 
@@ -83,9 +89,9 @@ __all__ = [
     "plan_backend", "plan_configurations", "rank_batches", "existing_group_environment",
     "make_fabric", "ddp_of", "apply_roundtrip", "rewrap_model", "report_check",
     "BucketCounter", "counting_hook", "train_configuration", "worker", "run",
-    "summary_table", "alarms_table", "alarms_markdown", "skipped_markdown", "verdict", "timeline_figure",
-    "grad_diff_figure", "weight_distance_figure", "loss_gap_table", "loss_gap_figure",
-    "loss_figure", "figures",
+    "summary_table", "alarms_table", "alarms_markdown", "skipped_markdown", "verdict",
+    "timeline_figure", "grad_diff_figure", "weight_distance_figure", "loss_gap_table",
+    "loss_gap_figure", "loss_figure", "figures",
 ]
 
 NAME = "device_roundtrip"

@@ -1,0 +1,261 @@
+"""Case 04 (allreduce correctness): parameters, the report's network, autograd's order per tower,
+the signature test, the verdict rule on real and planted records, and the notebook under papermill."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from ddplab.cases import allreduce_correctness as case
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / case.NOTEBOOK
+#: Small and fast: a real run of every mode in seconds.
+SMALL = {"steps": 3, "width": 1 / 32}
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("overrides, name", [
+    ({"world_size": 1}, "world_size"),          # all_sum needs two towers (the report asserts it)
+    ({"world_size": "two"}, "world_size"),
+    ({"steps": 0}, "steps"),
+    ({"mode": ["fixed", "eager"]}, "mode"),
+    ({"mode": []}, "mode"),
+    ({"mode": ["fixed", "fixed"]}, "mode"),
+    ({"tolerance": 0}, "tolerance"),
+    ({"tolerance": "small"}, "tolerance"),
+    ({"seed": -1}, "seed"),
+    ({"width": 0}, "width"),
+    ({"width": 1.5}, "width"),
+    ({"width": 0.001}, "width"),                # 64·width rounds to no channel at all
+    ({"worldsize": 2}, "worldsize"),
+])
+def test_bad_parameters_are_named_before_anything_runs(overrides, name):
+    with pytest.raises(ValueError, match=name):
+        case.check_params(overrides)
+    with pytest.raises(ValueError, match=name):
+        case.run(overrides, progress=False)  # raises before launching any rank
+
+
+def test_defaults_are_the_issues_and_quick_validates():
+    assert case.check_params({}) == {"world_size": 2, "steps": 100,
+                                     "mode": ["fixed", "as_ready", "race"], "tolerance": 1e-4,
+                                     "seed": 0, "width": 0.0625}
+    case.check_params(case.QUICK)
+    # papermill's -p hands lists over as strings
+    assert case.check_params({"mode": "[fixed, race]"})["mode"] == ["fixed", "race"]
+    assert case.check_params({"mode": "as_ready"})["mode"] == ["as_ready"]
+
+
+# --------------------------------------------------------------------------- the network
+
+
+def test_full_width_is_the_reports_network():
+    assert case.channels(1.0) == (64, 1280)
+    assert case.channels(1 / 16) == (4, 80)
+    shapes = {name: tuple(p.shape) for name, p in case.Tower(0, width=1.0).named_parameters()}
+    assert shapes == {"aaa/W": (64, 3, 3, 3), "bbb/W": (64, 3, 3, 3), "conv1/W": (64, 64, 3, 3),
+                      "conv2/W": (64, 64, 3, 3), "conv3/W": (1280, 64, 3, 3),
+                      "conv4/W": (1280, 1280, 3, 3), "conv5/W": (10, 1280, 3, 3)}
+
+
+def test_towers_share_weights_and_differ_in_their_first_variable():
+    assert [case.first_variable(t) for t in range(4)] == ["aaa/W", "bbb/W", "bbb/W", "bbb/W"]
+    t0, t1 = case.Tower(0, 1 / 16, seed=3), case.Tower(1, 1 / 16, seed=3)
+    for (n0, p0), (n1, p1) in zip(t0.named_parameters(), t1.named_parameters()):
+        assert n0 == n1 and torch.equal(p0, p1)
+    images, labels = case.make_batch(0, 0, 0)
+    assert images.shape == (32, 3, 30, 30) and t0(images).shape == (32, 10)
+    assert int(labels.min()) >= 0 and int(labels.max()) <= 8  # the report's maxval=9
+    assert not torch.equal(t0(images), t1(images))  # aaa/W and bbb/W hold different values
+
+
+def test_unused_variables_gradient_is_exactly_the_weight_decay():
+    """The report's 1e-3: a variable a tower does not use gets the weight-decay gradient alone."""
+    for tower, unused in ((0, "bbb/W"), (1, "aaa/W")):
+        model = case.Tower(tower, 1 / 16)
+        data, decay = case.losses(model, *case.make_batch(0, 0, tower))
+        (data + decay).backward()
+        grad = model.variable(unused).grad
+        assert torch.equal(grad, torch.full_like(grad, case.WEIGHT_DECAY))
+        used = model.variable(case.first_variable(tower)).grad
+        assert not torch.equal(used, torch.full_like(used, case.WEIGHT_DECAY))
+
+
+def test_batches_are_deterministic_and_differ_per_tower_and_step():
+    a = case.make_batch(0, 5, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a, case.make_batch(0, 5, 1)))
+    assert not torch.equal(a[0], case.make_batch(0, 5, 0)[0])
+    assert not torch.equal(a[0], case.make_batch(0, 6, 1)[0])
+    assert not torch.equal(a[0], case.make_batch(1, 5, 1)[0])
+
+
+def test_autograd_produces_the_towers_gradients_in_different_orders():
+    """The mechanism of as_ready: the unused variable's gradient comes first, the used one's last."""
+    orders = {}
+    for tower in (0, 1, 2):
+        model = case.Tower(tower, 1 / 32)
+        seen = []
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _, name=name: seen.append(name))
+        data, decay = case.losses(model, *case.make_batch(0, 0, tower))
+        (data + decay).backward()
+        orders[tower] = seen
+    convs = ["conv5/W", "conv4/W", "conv3/W", "conv2/W", "conv1/W"]
+    assert orders[0] == ["bbb/W"] + convs + ["aaa/W"]
+    assert orders[1] == orders[2] == ["aaa/W"] + convs + ["bbb/W"]
+
+
+# --------------------------------------------------------------------------- the signature
+
+
+def test_offset_in_weight_decays_finds_constant_multiples_only():
+    g = torch.randn(1000) * 1e-3
+    true_sum = g + 2e-3
+    assert case.offset_in_weight_decays(true_sum, true_sum) == 0
+    assert case.offset_in_weight_decays(true_sum, true_sum - 1e-3) == 1
+    assert case.offset_in_weight_decays(true_sum, true_sum - 2e-3) == 2
+    assert case.offset_in_weight_decays(true_sum, true_sum + 1e-3) == -1
+    # another tower's whole gradient summed in: varies element by element
+    assert case.offset_in_weight_decays(true_sum, true_sum + torch.randn(1000) * 1e-3) == 0
+    # float32 arithmetic, as the race produces it: (c0 + c1) + wd against (c0 + wd) + (c1 + wd)
+    c0, c1 = torch.randn(500) * 1e-3, torch.randn(500) * 1e-3
+    assert case.offset_in_weight_decays((c0 + 1e-3) + (c1 + 1e-3), (c0 + c1) + 1e-3) == 1
+
+
+def test_holders_group_bitwise_equal_results():
+    a = torch.tensor([1.0, 0.0])
+    b = torch.tensor([1.0, -0.0])  # equal values, different bits
+    assert case._holders(torch.stack([a, a, b, a])) == [[0, 1, 3], [2]]
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def small_run(warm_launcher):
+    params = case.check_params(SMALL)
+    return case.run(params, progress=False), params
+
+
+def _rows(records, metric, mode):
+    return records[(records["metric"] == metric) & (records["mode"] == mode)]
+
+
+def test_real_run_fixed_is_rounding_and_as_ready_is_mispaired(small_run):
+    records, params = small_run
+    fixed = _rows(records, "report_check_pass", "fixed")
+    assert sorted(fixed["step"].unique()) == [0, 1, 2] and (fixed["value"] == 1).all()
+    assert (_rows(records, "max_bound_ratio", "fixed")["value"] <= 1).all()
+    failing = _rows(records, "report_check_pass", "as_ready")
+    failing = failing[failing["value"] == 0]
+    assert set(failing["variable"]) == {"aaa/W", "bbb/W"} and set(failing["step"]) == {0, 1, 2}
+    flagged = _rows(records, "collective_mismatch", "as_ready")
+    flagged = flagged[flagged["value"] == 1]
+    assert set(flagged["combined"]) == {"0:bbb/W + 1:aaa/W", "0:aaa/W + 1:bbb/W"}
+    assert (_rows(records, "collective_mismatch", "fixed")["value"] == 0).all()
+    # every mispaired result is exactly the sum of what the ledger says was combined
+    assert (_rows(records, "paired_bound_ratio", "as_ready")["value"] <= 1).all()
+    # race: every tower holds the same result, one weight-decay gradient short
+    assert (_rows(records, "constant_offset_wd", "race")["value"] == 1).all()
+    assert (_rows(records, "distinct_results", "race")["value"] == 1).all()
+
+
+def test_verdict_on_a_real_run(small_run):
+    records, params = small_run
+    v = case.verdict(records, params)
+    assert v.kind == "bug" and v.all_hold, v.to_markdown()
+    assert [f.key for f in v.findings] == ["fixed_within_bound", "as_ready_not_rounding",
+                                          "as_ready_mispaired", "race_not_rounding", "report_signature"]
+    assert "rank 0's aaa/W with rank 1's bbb/W" in v.finding("as_ready_mispaired").evidence
+    summary = case.summary_table(records, params)
+    assert summary.loc["fixed", "classification"] == "rounding"
+    assert summary.loc["as_ready", "classification"] == "not rounding"
+    table = case.pairing_table(records)
+    assert table.loc[("as_ready", 0), "rank 0"] == "bbb/W" and table.loc[("as_ready", 0), "rank 1"] == "aaa/W"
+    assert table.loc["as_ready", "mispaired"].sum() == 2 and not table.loc["fixed", "mispaired"].any()
+    figs = case.figures(records, params)
+    assert len(figs) == 5
+    import matplotlib.pyplot as plt
+    for fig in figs:
+        plt.close(fig)
+
+
+def test_verdict_rule_on_planted_faults(small_run):
+    """The rule reads the records: planted faults change exactly the findings they should."""
+    records, params = small_run
+    # A fixed-order result beyond the report's tolerance and the bound: fixed no longer holds.
+    bad = records.copy()
+    fixed = (bad["mode"] == "fixed") & (bad["step"] == 1) & (bad["variable"] == "conv3/W")
+    bad.loc[fixed & (bad["metric"] == "report_check_pass"), "value"] = 0
+    bad.loc[fixed & (bad["metric"] == "max_bound_ratio"), "value"] = 5e6
+    v = case.verdict(bad, params)
+    assert not v.holds("fixed_within_bound") and v.holds("as_ready_not_rounding")
+    assert "fixed_within_bound" in v.headline
+    # The race did not trigger (every write before gloo ran) and every result passed.
+    quiet = records.copy()
+    race = quiet["mode"] == "race"
+    quiet.loc[race & (quiet["metric"] == "write_after_completion"), "value"] = 0
+    quiet.loc[race & (quiet["metric"] == "report_check_pass"), "value"] = 1
+    quiet.loc[race & (quiet["metric"] == "max_bound_ratio"), "value"] = 0.5
+    quiet.loc[race & (quiet["metric"] == "constant_offset_wd"), "value"] = 0
+    v = case.verdict(quiet, params)
+    assert not v.holds("race_not_rounding")
+    assert "did not trigger" in v.finding("race_not_rounding").evidence
+    # Only the fixed order run: rounding, and no finding about the bug modes.
+    only_fixed = records[(records["mode"] == "fixed") | records["mode"].isna()]
+    v = case.verdict(only_fixed, {**params, "mode": ["fixed"]})
+    assert v.kind == "rounding" and [f.key for f in v.findings] == ["fixed_within_bound"]
+
+
+@pytest.mark.slow
+def test_three_towers(no_leftovers):
+    """More than two towers: tower 0 uses aaa/W, the others bbb/W; the race misses 2·1e-3."""
+    params = case.check_params({**SMALL, "world_size": 3, "steps": 2})
+    records = case.run(params, progress=False)
+    flagged = _rows(records, "collective_mismatch", "as_ready")
+    assert set(flagged.loc[flagged["value"] == 1, "combined"]) == {
+        "0:bbb/W + 1:aaa/W + 2:aaa/W", "0:aaa/W + 1:bbb/W + 2:bbb/W"}
+    assert (_rows(records, "constant_offset_wd", "race")["value"] == 2).all()
+    v = case.verdict(records, params)
+    assert v.kind == "bug" and v.all_hold, v.to_markdown()
+
+
+# --------------------------------------------------------------------------- the notebook
+
+
+@pytest.mark.slow
+def test_notebook_quick(tmp_path):
+    import papermill
+
+    from ddplab.artifacts import load_results
+
+    out = tmp_path / "out.ipynb"
+    papermill.execute_notebook(str(NOTEBOOK), str(out), kernel_name="python3", progress_bar=False,
+                               parameters={**case.QUICK, "results_dir": str(tmp_path / "res")})
+    results = load_results(tmp_path / "res")
+    rec = results.records
+    steps = list(range(case.QUICK["steps"]))
+    # fixed passes the report's check at every step
+    fixed = _rows(rec, "report_check_pass", "fixed")
+    assert sorted(fixed["step"].unique()) == steps and (fixed["value"] == 1).all()
+    # as_ready fails it, and those results are classified "not rounding"
+    check = _rows(rec, "report_check_pass", "as_ready")
+    keys = ["step", "rank", "variable"]
+    failing = check[check["value"] == 0].set_index(keys).index
+    assert len(failing) > 0
+    within = _rows(rec, "within_bound", "as_ready").set_index(keys)["value"]
+    assert (within[within.index.isin(failing)] == 0).all()
+    # the ledger names the mispaired variables
+    flagged = _rows(rec, "collective_mismatch", "as_ready")
+    assert set(flagged.loc[flagged["value"] == 1, "combined"]) == {"0:bbb/W + 1:aaa/W",
+                                                                    "0:aaa/W + 1:bbb/W"}
+    assert results.verdict.kind == "bug" and results.verdict.all_hold
+    nb = json.loads(out.read_text())
+    images = [o for c in nb["cells"] for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 5
+    printed = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    assert "notebook ran in" in printed

@@ -681,6 +681,10 @@ def _fmt_ratio(x: float) -> str:
     return "—" if math.isnan(x) else (f"10^{math.log10(x):.1f}" if x > 0 else "0")
 
 
+def _wd_multiple(k: int) -> str:
+    return "1e-3" if k == 1 else f"{k}×1e-3"
+
+
 def _fmt_bound(x: float) -> str:
     # Seven digits: a ratio of 0.9999996 must not print as 1.
     return f"{x:.7g}"
@@ -712,9 +716,9 @@ def verdict(records, params: dict) -> Verdict:
         ok = f["failed"] == 0 and f["classification"] == "rounding" and f["mismatched_collectives"] == 0
         evidence = (f"{f['results'] - f['failed']} of {f['results']} results ({f['steps']} steps × "
                     f"{len(VARIABLES)} variables; ranks disagree in {f['ranks_disagree']} of them) pass "
-                    f"|add_n − reduced| < {tol:g} (largest difference {f['max_diff']:.3g}); largest error / rounding "
-                    f"bound {_fmt_bound(f['max_ratio'])} ({f['outside_bound']} beyond 1); the ledger found "
-                    f"{f['mismatched_collectives']} mispaired collectives")
+                    f"|add_n − reduced| < {tol:g} (largest difference {f['max_diff']:.3g}); largest "
+                    f"error / rounding bound {_fmt_bound(f['max_ratio'])} ({f['outside_bound']} beyond 1); "
+                    f"the ledger found {f['mismatched_collectives']} mispaired collectives")
     else:
         ok, evidence = False, "not run (mode does not include 'fixed')"
     findings.append(Finding("fixed_within_bound", "fixed (one agreed order): every result passes "
@@ -725,12 +729,14 @@ def verdict(records, params: dict) -> Verdict:
     if a:
         decades = math.log10(a["min_failing_ratio"]) if a["failed"] and a["min_failing_ratio"] > 0 else 0
         ok = a["failed"] > 0 and a["classification"] == "not rounding" and decades >= MANY_DECADES
-        evidence = (f"{a['failed']} of {a['results']} results fail the report's check, from step "
-                    f"{a['first_failing_step']} on, in {', '.join(a['failing_variables']) or 'no variable'}; "
-                    f"their error is {_fmt_ratio(a['min_failing_ratio'])} to "
-                    f"{_fmt_ratio(a['max_ratio'])} times the rounding bound; classified "
-                    f"'{a['classification']}'" if a["failed"] else
-                    f"no reduction failed in {a['steps']} steps (largest error / bound {_fmt_bound(a['max_ratio'])})")
+        if a["failed"]:
+            evidence = (f"{a['failed']} of {a['results']} results fail the report's check, from step "
+                        f"{a['first_failing_step']} on, in {', '.join(a['failing_variables'])}; their "
+                        f"error is {_fmt_ratio(a['min_failing_ratio'])} to {_fmt_ratio(a['max_ratio'])} "
+                        f"times the rounding bound; classified '{a['classification']}'")
+        else:
+            evidence = (f"no result failed in {a['steps']} steps (largest error / bound "
+                        f"{_fmt_bound(a['max_ratio'])})")
         findings.append(Finding(
             "as_ready_not_rounding",
             f"as_ready (one all_reduce per gradient as autograd produces it): fails the report's "
@@ -739,15 +745,18 @@ def verdict(records, params: dict) -> Verdict:
         named = set(v for pair in a["pairs"] for v in (p.split(":", 1)[1] for p in pair.split(" + ")))
         explained = a["failing_unexplained"] == 0 and a["max_paired_ratio"] <= 1
         ok = bool(a["pairs"]) and explained and set(a["failing_variables"]) <= named
-        evidence = ((f"the ledger flags {a['mismatched_collectives']} collectives in "
-                     f"{a['mismatched_steps']} of {a['steps']} steps: {_describe_pairs(a['pairs'])}; each of "
-                     f"the {a['paired_results']} results of those collectives is the sum of exactly the tensors "
-                     f"the ledger paired, within the rounding bound (largest error / bound against that sum "
-                     f"{_fmt_bound(a['max_paired_ratio'])}); {a['failed'] - a['failing_unexplained']} of the "
-                     f"{a['failed']} failing results are explained so; failing variables "
-                     f"{', '.join(a['failing_variables']) or 'none'}; the towers end up holding different "
-                     f"results in {a['ranks_disagree']} of {a['agree_checks']} steps × variables")
-                    if a["pairs"] else "the ledger found no mispaired collective")
+        if a["pairs"]:
+            evidence = (f"the ledger flags {a['mismatched_collectives']} collectives in "
+                        f"{a['mismatched_steps']} of {a['steps']} steps: {_describe_pairs(a['pairs'])}; "
+                        f"each of the {a['paired_results']} results of those collectives is the sum of "
+                        f"exactly the tensors the ledger paired, within the rounding bound (largest "
+                        f"error / bound against that sum {_fmt_bound(a['max_paired_ratio'])}); "
+                        f"{a['failed'] - a['failing_unexplained']} of the {a['failed']} failing results "
+                        f"are explained so; failing variables {', '.join(a['failing_variables']) or 'none'}; "
+                        f"the towers end up holding different results in {a['ranks_disagree']} of "
+                        f"{a['agree_checks']} steps × variables")
+        else:
+            evidence = "the ledger found no mispaired collective"
         findings.append(Finding(
             "as_ready_mispaired",
             "The cause is mispaired collectives: towers issue in different orders and collectives pair "
@@ -762,17 +771,18 @@ def verdict(records, params: dict) -> Verdict:
               and r["classification"] == "not rounding" and r["mismatched_collectives"] == 0
               and offsets.get(float(k), 0) == r["failed"])
         evidence = (f"every rank's write landed after gloo had run in {r['triggered']} of {r['writes']} "
-                    f"steps × variables" + (" (the race did not trigger in this run)" if r["triggered"] == 0 else "")
+                    f"steps × variables"
+                    + (" (the race did not trigger in this run)" if r["triggered"] == 0 else "")
                     + f"; {r['triggered_failed']} of those fail the report's check"
                     + (f" ({r['untriggered_failed']} of the {r['writes'] - r['triggered']} others)"
                        if r["writes"] > r["triggered"] else "")
                     + f"; error {_fmt_ratio(r['min_failing_ratio'])} to {_fmt_ratio(r['max_ratio'])} times "
                     f"the rounding bound ('{r['classification']}'); the ledger found "
                     f"{r['mismatched_collectives']} mispaired collectives; {offsets.get(float(k), 0)} of "
-                    f"{r['failed']} failing results are short by exactly {k}×1e-3 at every element "
-                    f"(the other towers' weight-decay gradients); every tower holds the same wrong value "
-                    f"in {r['agree_checks'] - r['ranks_disagree']} of {r['agree_checks']} steps × variables, so "
-                    f"a cross-rank consistency check cannot see it")
+                    f"{r['failed']} failing results are short by exactly {_wd_multiple(k)} at every element "
+                    f"(the other towers' weight-decay gradients); every tower holds the same wrong "
+                    f"value in {r['agree_checks'] - r['ranks_disagree']} of {r['agree_checks']} steps × "
+                    f"variables, so a cross-rank consistency check cannot see it")
         findings.append(Finding(
             "race_not_rounding",
             "race (buffer written again before wait()): wherever the write lands after the collective "
@@ -783,7 +793,8 @@ def verdict(records, params: dict) -> Verdict:
     if a or r:
         findings.append(_signature_finding(facts, params))
 
-    bugs = [m for m in ("as_ready", "race") if m in facts and facts[m]["classification"] == "not rounding"]
+    bugs = [m for m in ("as_ready", "race")
+            if m in facts and facts[m]["classification"] == "not rounding"]
     kind = "bug" if bugs else "rounding"
     findings_ok = all(fi.holds for fi in findings)
     parts = []
@@ -791,15 +802,17 @@ def verdict(records, params: dict) -> Verdict:
         parts.append(f"with one agreed order (fixed) all {f['results']} results "
                      + ("pass the report's check and stay within the rounding bound"
                         if f["failed"] == 0 and f["classification"] == "rounding"
-                        else f"do not: {f['failed']} fail the check, largest error/bound {f['max_ratio']:.3g}"))
+                        else f"do not: {f['failed']} fail the check, largest error / bound "
+                             f"{_fmt_bound(f['max_ratio'])}"))
     if a and a["failed"]:
-        parts.append(f"issuing each all_reduce as autograd produces the gradient (as_ready) fails from step "
-                     f"{a['first_failing_step']}: the towers issue in different orders and collectives pair "
-                     f"by issue order, so {_describe_pairs(a['pairs'], ' and ') or 'different tensors'} were summed "
-                     f"(errors {_fmt_ratio(a['min_failing_ratio'])}–{_fmt_ratio(a['max_ratio'])} × the bound)")
+        pairs = _describe_pairs(a["pairs"], " and ") or "different tensors"
+        parts.append(f"issuing each all_reduce as autograd produces the gradient (as_ready) fails from "
+                     f"step {a['first_failing_step']}: the towers issue in different orders and collectives "
+                     f"pair by issue order, so {pairs} were summed (errors "
+                     f"{_fmt_ratio(a['min_failing_ratio'])}–{_fmt_ratio(a['max_ratio'])} × the bound)")
     if r and r["failed"]:
         parts.append(f"writing the buffer before wait() (race) leaves results short by the other towers' "
-                     f"weight-decay gradients, {params['world_size'] - 1}×1e-3"
+                     f"weight-decay gradients, {_wd_multiple(params['world_size'] - 1)}"
                      + (f" — {r['report_number']} results print the report's {REPORT_MAX_DIFF:.9g}"
                         if r["report_number"] else ""))
     if kind == "bug":
@@ -815,7 +828,7 @@ def verdict(records, params: dict) -> Verdict:
 def _signature_finding(facts: dict, params: dict) -> Finding:
     """Does the reproduction's error carry the report's 0.00100000016, and what does that say?"""
     w = params["world_size"]
-    parts, ok = [f"the report printed {REPORT_MAX_DIFF:.9g} = {REPORT_MAX_DIFF / WEIGHT_DECAY:.8f}·1e-3, "
+    parts, ok = [f"the report printed {REPORT_MAX_DIFF:.9g} = {REPORT_MAX_DIFF / WEIGHT_DECAY:.8f}×1e-3, "
                  f"one weight-decay gradient (an unused variable's whole gradient is 1e-3 everywhere)"], True
     a, r = facts.get("as_ready"), facts.get("race")
     if a and a["failed"]:
@@ -830,15 +843,16 @@ def _signature_finding(facts: dict, params: dict) -> Finding:
         k = w - 1
         exact = r["constant_offsets"].get(float(k), 0)
         ok &= exact == r["failed"]
-        parts.append(f"race: {exact} of {r['failed']} failing results are off by exactly {k}×1e-3 at every "
-                     f"element, {r['report_number']} print the report's {REPORT_MAX_DIFF:.9g} digit for digit"
-                     + (" (W = 2)" if w == 2 else ""))
-    parts.append("so the report's failing result summed gradients of the right variable, one of them "
-                 "read without (or with twice) its weight-decay term — what a buffer read before its "
-                 "last write gives; swapped aaa/W and bbb/W would be off by a whole gradient")
+        parts.append(f"race: {exact} of {r['failed']} failing results are off by exactly "
+                     f"{_wd_multiple(k)} at every element, {r['report_number']} print the report's "
+                     f"{REPORT_MAX_DIFF:.9g} digit for digit" + (" (W = 2)" if w == 2 else ""))
+    parts.append("so the report's failing result most likely summed the right variable's gradients with "
+                 "one weight-decay term (1e-3 at every element) missing or doubled, which is what a buffer "
+                 "read before its last write gives; swapped aaa/W and bbb/W would be off by a whole "
+                 "gradient of another tower")
     return Finding("report_signature",
-                   "The report's 0.00100000016 is the signature of a gradient read before its last write "
-                   "(race), not of a mispaired collective (as_ready)", ok, "; ".join(parts))
+                   "The report's 0.00100000016 carries the signature of a gradient read before its last "
+                   "write (race), not that of a mispaired collective (as_ready)", ok, "; ".join(parts))
 
 
 # --------------------------------------------------------------------------- figures
@@ -1077,7 +1091,8 @@ def plot_signature(records, params: dict | None = None):
             ax.scatter(x[~constant.values], part.loc[~constant, "diff"], s=9, color="tab:blue", alpha=0.6,
                        label="varies by element (another tensor summed in)" if (~constant).any() else None)
             ax.scatter(x[constant.values], part.loc[constant, "diff"], s=9, color="tab:red", alpha=0.6,
-                       label="k·1e-3 at every element (a weight-decay term missing)" if constant.any() else None)
+                       label=("k·1e-3 at every element (a weight-decay term missing)"
+                              if constant.any() else None))
         ax.axhline(REPORT_MAX_DIFF, color="black", ls="--", lw=1.1,
                    label=f"the report's {REPORT_MAX_DIFF:.9g}")
         ax.axhline(tol, color="0.45", ls=":", lw=1.1, label=f"the report's tolerance {tol:g}")

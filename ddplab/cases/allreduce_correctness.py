@@ -474,7 +474,7 @@ def _train(mode: str, params: dict, rank: int) -> None:
         if completed is not None:
             for name, flag in completed.items():
                 _records.emit("write_after_completion", flag, step=step, mode=mode, variable=name)
-        _records.emit("loss", float(data_loss + decay), step=step, mode=mode)
+        _records.emit("loss", float(data_loss.detach() + decay.detach()), step=step, mode=mode)
         # Plain SGD on the summed gradients, as the report's apply_gradients (torch.optim
         # would import torch._dynamo: seconds per rank for nothing this case uses).
         with torch.no_grad():

@@ -1,0 +1,194 @@
+"""The explorer: widgets driven from Python, and end to end in JupyterLab + headless Chromium."""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from ddplab.cases import CASES, get_case
+from ddplab.explore import (CaseExplorer, NumericsPlayground, parameter_widget,
+                            playground_contributions)
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_widgets_round_trip_every_case_parameter(case):
+    module = get_case(case)
+    explorer = CaseExplorer(case)
+    assert explorer.params() == module.PARAMETERS.validate()
+    for p in module.PARAMETERS:
+        assert parameter_widget(p).description == p.name
+
+
+def _images(output) -> int:
+    return sum("image/png" in o.get("data", {}) for o in output.outputs)
+
+
+@pytest.mark.slow
+def test_run_button_produces_records_figures_and_verdict(no_leftovers):
+    explorer = CaseExplorer("half_precision")
+    explorer.set_values(**get_case("half_precision").QUICK)
+    explorer.run_button.click()
+    explorer.wait(180)
+    assert explorer.error is None, explorer.error
+    assert len(explorer.records) > 0 and explorer.verdict is not None
+    assert _images(explorer.output) >= 1
+    assert explorer.status.value.startswith("done")
+    assert not explorer.run_button.disabled and explorer.stop_button.disabled
+    assert explorer.bars.children and all(b.value == b.max for b in explorer.bars.children)
+
+
+@pytest.mark.slow
+def test_stop_button_ends_a_running_launch(no_leftovers):
+    explorer = CaseExplorer("backend_divergence")
+    explorer.set_values(world_sizes=[2], steps=500)
+    explorer.run_button.click()
+    deadline = time.monotonic() + 120
+    while not explorer.bars.children and time.monotonic() < deadline:
+        time.sleep(0.1)  # wait for the first streamed record
+    assert explorer.bars.children, explorer.status.value
+    explorer.stop_button.click()
+    explorer.wait(60)
+    assert not explorer.running
+    assert explorer.status.value.startswith("stopped"), explorer.status.value
+    assert len(explorer.records) > 0  # what was streamed before the stop is kept
+
+
+def test_bad_values_are_reported_without_running():
+    explorer = CaseExplorer("backend_divergence")
+    explorer.inputs["world_sizes"].value = "2, 0"
+    explorer.run_button.click()
+    assert not explorer.running and explorer.records is None
+    assert "world_sizes" in explorer.status.value
+
+
+def test_playground_updates_on_every_change():
+    pg = NumericsPlayground(world_size=4, numel=2000)
+    first = dict(pg.results)
+    assert set(first) == {"sequential", "pairwise", "gloo_ring", "nccl_ring"}
+    assert all(m["classification"] == "rounding" for m in first.values())
+    assert bytes(pg.figure.value).startswith(b"\x89PNG")
+    pg.distribution.value = "cancellation-heavy"
+    heavy = pg.results
+    # Cancellation: errors huge in ulps of the tiny sum, yet within the bound on Σ|x|.
+    assert max(m["max_ulp"] for m in heavy.values()) > max(m["max_ulp"] for m in first.values())
+    assert all(m["max_bound_ratio"] <= 1.0 for m in heavy.values())
+    pg.orders.value = ("gloo_ring",)
+    assert list(pg.results) == ["gloo_ring"]
+    pg.world_size.value = 2
+    # Two addends: every order is one correctly rounded addition.
+    assert pg.results["gloo_ring"]["frac_correctly_rounded"] == 1.0
+
+
+def test_playground_data_is_deterministic_and_large_w_streams():
+    a = playground_contributions("heavy-tailed", 3, 100, torch.float32, seed=1)
+    b = playground_contributions("heavy-tailed", 3, 100, torch.float32, seed=1)
+    assert torch.equal(a.row(2), b.row(2))
+    big = playground_contributions("normal", 1024, 1 << 16, torch.float32)
+    assert big.kind == "rows"  # generated per rank, never W×N in memory
+    with pytest.raises(ValueError, match="unknown distribution"):
+        playground_contributions("uniform", 2, 10, torch.float32)
+
+
+# ---------------------------------------------------------------- JupyterLab + Chromium
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    root = tmp_path / "lab"
+    root.mkdir()
+    shutil.copy(NOTEBOOKS / "00_explore.ipynb", root / "00_explore.ipynb")
+    port, token = _free_port(), "ddplab-test"
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+         f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--allow-root",
+         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
+            time.sleep(0.5)
+    yield url, token
+    import psutil
+    family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    for p in family:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(family, timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_explorer_end_to_end_in_jupyterlab(jupyterlab, tmp_path):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (make test installs it as root)")
+    from playwright.sync_api import sync_playwright
+
+    url, token = jupyterlab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.set_default_timeout(120_000)
+        page.goto(f"{url}/lab/tree/00_explore.ipynb?token={token}")
+        page.wait_for_selector(".jp-Notebook")
+        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.commands")
+
+        def wait_for(js: str, seconds: float = 150) -> None:
+            # JupyterLab may ask which kernel to use (this venv registers two): accept its choice.
+            deadline = time.monotonic() + seconds
+            while not page.evaluate(js):
+                if page.locator(".jp-Dialog .jp-mod-accept").count():
+                    page.locator(".jp-Dialog .jp-mod-accept").first.click()
+                assert time.monotonic() < deadline, f"timed out waiting for {js}"
+                time.sleep(0.5)
+
+        # Run only once the notebook's own kernel is connected and idle.
+        wait_for("() => { const s = window.jupyterapp.shell.currentWidget?.sessionContext?.session;"
+                 " return !!s && !!s.kernel && s.kernel.connectionStatus === 'connected'"
+                 " && s.kernel.status === 'idle'; }")
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        # The playground draws a figure without any process.
+        wait_for("() => { const i = document.querySelector('.ddplab-playground-figure');"
+                 " return !!i && i.naturalWidth > 0; }")
+        # The case panel: a fast case, quick values, Run.
+        page.locator(".widget-dropdown select").first.select_option("half_precision")
+        page.get_by_role("button", name="quick values").click()
+        page.locator("button.jupyter-button", has_text=re.compile(r"^\s*Run\s*$")).click()
+        wait_for("() => { const imgs = [...document.querySelectorAll('.ddplab-explorer-output img')];"
+                 " return imgs.length > 0 && imgs.every(i => i.naturalWidth > 0); }")
+        wait_for("() => document.body.innerText.includes('done in')")
+        shot = tmp_path / "explorer.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 20_000
+        browser.close()

@@ -52,7 +52,7 @@ __all__ = [
     "REPORT_NORM_BEFORE", "REPORT_NORM_AFTER", "REPORT_TORCH_VERSION", "STAGES",
     "check_params", "build_linear", "compile_step", "weight_numerics", "worker", "run",
     "verdict", "norm_table", "fingerprint_table", "versions_markdown", "fingerprint_figure",
-    "running_sum_figure", "lanes_figure",
+    "running_sum_figure", "lanes_figure", "figures",
 ]
 
 NAME = "half_precision"
@@ -780,6 +780,12 @@ def lanes_figure(records, params: dict):
                       frameon=False)
         fig.tight_layout()
     return fig
+
+
+def figures(records, params: dict) -> list:
+    """The case's figures, most telling first: lanes, running sums, fingerprints."""
+    return [lanes_figure(records, params), running_sum_figure(records, params),
+            fingerprint_figure(records, params)]
 
 
 def versions_markdown(records) -> str:

@@ -76,8 +76,10 @@ STOP_GRACE = 1.0
 #: a rank killed by a signal makes its peers fail in their next collective, and
 #: their errors can reach the parent before the death is seen.
 FAILURE_GRACE = 0.4
-#: Modules the forkserver imports once, so that every rank starts warm.
-FORKSERVER_PRELOAD = ["ddplab.launcher"]
+#: Modules the forkserver imports once, so that every rank starts warm. DDP's
+#: constructor and torch.optim import torch._dynamo lazily: about 1 s per rank
+#: on an idle core (up to 7 s under load) on every launch, unless preloaded.
+FORKSERVER_PRELOAD = ["ddplab.launcher", "torch._dynamo", "torch.nn.parallel", "torch.optim"]
 #: How many lines of a stuck rank's Python stack go into a timeout message.
 STACK_LINES = 30
 

@@ -130,14 +130,18 @@ class LaunchResult:
     record_list: list[dict] = dataclasses.field(default_factory=list, repr=False)
 
     @property
-    def records(self):
-        """Every record the ranks emitted, as the tidy DataFrame.
+    def ordered_records(self) -> list[dict]:
+        """The records in rank order, each rank's in the order it emitted them.
 
-        Rows are in rank order, each rank's in the order it emitted them:
-        deterministic, unlike arrival order, so two runs compare row for row.
+        Deterministic, unlike arrival order (``record_list``), so two runs --
+        or this launch and a torchrun job -- compare row for row.
         """
-        ordered = sorted(self.record_list, key=lambda r: -1 if r.get("rank") is None else r["rank"])
-        return _records.to_frame(ordered)
+        return sorted(self.record_list, key=lambda r: -1 if r.get("rank") is None else r["rank"])
+
+    @property
+    def records(self):
+        """Every record the ranks emitted, as the tidy DataFrame (in :attr:`ordered_records` order)."""
+        return _records.to_frame(self.ordered_records)
 
     def __repr__(self) -> str:
         return (f"LaunchResult(world_size={self.world_size}, backend={self.backend!r}, "

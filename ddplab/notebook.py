@@ -50,11 +50,29 @@ def setup(case: str, values: dict, *, display: bool = True) -> tuple[dict, dict]
 
 
 def run(case: str, params: dict, *, run_dir: str | None = None, progress: bool = True):
-    """Run the case (or read a finished run from ``run_dir``) and return its records."""
+    """Run the case (or read a finished run from ``run_dir``) and return its records.
+
+    With ``run_dir`` the run's own parameters (its ``params.json``) replace
+    those in ``params``, in place, so that figures and verdict describe the
+    run that produced the records; what changed is printed.
+    """
     if run_dir:
+        import json
+        import pathlib
+
         from ddplab.torchrun import load_run
         records = load_run(run_dir)
         print(f"read {len(records)} records from {run_dir}")
+        saved = pathlib.Path(run_dir) / "params.json"
+        if saved.exists():
+            ran = get_case(case).PARAMETERS.validate(
+                {k: v for k, v in json.loads(saved.read_text()).items()
+                 if k in get_case(case).PARAMETERS})
+            changed = {k: v for k, v in ran.items() if params.get(k) != v}
+            params.update(ran)
+            if changed:
+                print("parameters taken from the run: "
+                      + ", ".join(f"{k}={v!r}" for k, v in changed.items()))
         return records
     t0 = time.perf_counter()
     records = get_case(case).run(params, progress=progress)

@@ -35,6 +35,7 @@ __all__ = [
     "set_labels",
     "labels",
     "to_frame",
+    "canonical",
 ]
 
 RECORD_COLUMNS = ("step", "rank", "bucket", "metric", "value")
@@ -177,3 +178,14 @@ def to_frame(records: Iterable[dict]):
     frame["metric"] = frame["metric"].astype(object)
     return frame
 
+
+
+def canonical(frame):
+    """``frame`` with its rows sorted by every column: a deterministic order.
+
+    Records emitted from asynchronous callbacks (DDP comm-hook futures)
+    arrive in an order that can change from run to run; two tables are equal
+    as measurements when their canonical forms are equal.
+    """
+    return frame.sort_values(by=list(frame.columns), na_position="first",
+                             kind="mergesort").reset_index(drop=True)

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import sys
 import time
@@ -198,6 +199,8 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
     try:
         saved = load_results(case_dir / "results")
         verdict, environment = saved.verdict, saved.environment
+        # What the notebook used (a run_dir brings its own parameters).
+        params = {**params, **{k: v for k, v in saved.params.items() if k in spec.parameters}}
     except FileNotFoundError:
         pass
     if verdict is None:
@@ -227,8 +230,10 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
         seconds=outcome.seconds, verdict=verdict, report=f"{spec.name}/report.html",
         summary=f"{spec.name}/summary.md", notebook=f"{spec.name}/notebook.ipynb",
         key_figure=f"{spec.name}/{figure_name}" if figure_name else None, error=outcome.error)
-    overrides = " ".join(f"-p {k} {json.dumps(v) if not isinstance(v, str) else v}"
-                         for k, v in shown_params.items() if v != spec.parameters.defaults().get(k, v))
+    defaults = spec.parameters.defaults()
+    overrides = " ".join(f"-p {k} {shlex.quote(v if isinstance(v, str) else json.dumps(v))}"
+                         for k, v in shown_params.items()
+                         if (k in IO_PARAMETERS and v is not None) or (k in defaults and v != defaults[k]))
     command = f"ddplab report {spec.name} {overrides}".strip()
     atomic_write_text(case_dir / "summary.md", summary_markdown(
         result, params=shown_params, environment=environment, figure_name=figure_name, command=command))

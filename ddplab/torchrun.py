@@ -61,6 +61,19 @@ def resolve_target(target: str, overrides: dict) -> tuple[Callable, dict, str]:
     return case.worker, params, target
 
 
+def _match_world_size(params: dict, overrides: dict, world_size: int) -> dict:
+    """A case's world-size parameter describes this job: set it, or refuse a contradiction."""
+    params = dict(params)
+    for name, value in (("world_sizes", [world_size]), ("world_size", world_size)):
+        if name not in params:
+            continue
+        if name in overrides and params[name] != value:
+            raise ValueError(f"parameter {name!r} = {params[name]!r}, but this torchrun job has "
+                             f"{world_size} ranks; drop -p {name} (torchrun's sizes decide it)")
+        params[name] = value
+    return params
+
+
 def _write_run_json(out_dir: pathlib.Path, data: dict) -> None:
     atomic_write_text(out_dir / "run.json", json.dumps(data, indent=2, default=str))
 
@@ -77,6 +90,7 @@ def run_rank(target: str, out_dir: str | os.PathLike, overrides: dict | None = N
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = context_from_env(backend, timeout=timeout)
+    params = _match_world_size(params, overrides or {}, ctx.world_size)
     rank_file = out_dir / f"rank-{ctx.rank}.jsonl"
     emitted: list[dict] = []
     with open(rank_file, "w", buffering=1) as fh:

@@ -23,16 +23,18 @@ class Finding:
     """One claim checked against the measurements.
 
     ``key`` is a short stable id for tests and the index; ``claim`` says what
-    is asserted; ``holds`` is the computed answer; ``evidence`` the numbers.
+    is asserted; ``holds`` is the computed answer -- or None when these
+    measurements cannot say (e.g. a world size that was not run);
+    ``evidence`` the numbers.
     """
 
     key: str
     claim: str
-    holds: bool
+    holds: bool | None
     evidence: str
 
     def __post_init__(self):
-        self.holds = bool(self.holds)
+        self.holds = None if self.holds is None else bool(self.holds)
 
 
 @dataclasses.dataclass
@@ -56,7 +58,8 @@ class Verdict:
 
     @property
     def all_hold(self) -> bool:
-        return all(f.holds for f in self.findings)
+        """Every finding that was measured holds."""
+        return all(f.holds is not False for f in self.findings)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -72,8 +75,8 @@ class Verdict:
     def to_records(self) -> list[dict]:
         """The findings as tidy records (metric ``finding_holds``, value 0/1)."""
         from ddplab.records import record
-        return [record("finding_holds", int(f.holds), finding=f.key, case=self.case)
-                for f in self.findings]
+        return [record("finding_holds", float("nan") if f.holds is None else int(f.holds),
+                       finding=f.key, case=self.case) for f in self.findings]
 
     def to_markdown(self) -> str:
         rows = ["| | finding | evidence |", "|---|---|---|"]
@@ -95,8 +98,10 @@ class Verdict:
                 "text/plain": self.to_markdown(), VERDICT_MIME: self.to_dict()}
 
 
-def _mark(holds: bool) -> str:
+def _mark(holds: bool | None) -> str:
     # Plain dingbats with a word: emoji fonts are missing on many machines (and headless browsers).
+    if holds is None:
+        return "– not measured"
     return "✔ holds" if holds else "✘ does not hold"
 
 

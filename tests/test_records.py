@@ -83,3 +83,10 @@ def test_verdict_rendering_and_notebook_extraction():
     assert json.loads(v.to_json())["kind"] == "bug"
     with pytest.raises(KeyError, match="no finding 'nope'"):
         v.finding("nope")
+
+
+def test_canonical_order_ignores_arrival_order():
+    recs = [records.record("m", float(i % 3), step=i % 2, rank=i % 2, bucket=i) for i in range(6)]
+    a, b = ddplab.to_frame(recs), ddplab.to_frame(list(reversed(recs)))
+    assert not a.equals(b)
+    assert records.canonical(a).equals(records.canonical(b))

@@ -206,14 +206,13 @@ def _chromium():
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.slow
-@pytest.mark.browser
-def test_pages_render_offline_in_chromium(batch, tmp_path):
+def check_pages_offline(pages: dict, shots: pathlib.Path) -> None:
+    """Open each page in headless Chromium with the network cut: it renders, every
+    image loads, nothing is fetched; a screenshot of each lands in ``shots``."""
     if _chromium() is None:
         pytest.skip("Debian's chromium is not installed (make test installs it as root)")
     from playwright.sync_api import sync_playwright
 
-    out, _, _, _ = batch
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), args=[
             "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -223,14 +222,42 @@ def test_pages_render_offline_in_chromium(batch, tmp_path):
         context.route(re.compile(r"^(?!file:|data:).*"),
                       lambda route: (remote.append(route.request.url), route.abort()))
         page = context.new_page()
-        for name, path in (("index", out / "index.html"), ("good", out / "good" / "report.html")):
+        for name, path in pages.items():
             page.goto(path.resolve().as_uri())
             page.wait_for_load_state("load")
             images = page.eval_on_selector_all(
                 "img", "els => els.map(e => [e.complete, e.naturalWidth])")
             assert images, f"{name}: no images"
             assert all(done and width > 0 for done, width in images), (name, images)
-            page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
-            assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+            page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+            assert (shots / f"{name}.png").stat().st_size > 10_000
         browser.close()
     assert remote == []  # nothing fetched from the network
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_pages_render_offline_in_chromium(batch, tmp_path):
+    out, _, _, _ = batch
+    check_pages_offline({"index": out / "index.html", "good": out / "good" / "report.html"}, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_quick_mode_of_every_case(tmp_path):
+    """The real thing: every case notebook, quick parameters, papermill + nbconvert."""
+    from ddplab.cases import CASES
+
+    out = tmp_path / "reports"
+    lines = []
+    outcomes = run_batch(plan_batch(case_specs(), quick=True), out, timeout=400, echo=lines.append)
+    assert [(o.name, o.status) for o in outcomes] == [(name, "ok") for name in CASES], lines
+    for o in outcomes:
+        assert o.verdict is not None and o.verdict.findings, o.name
+        html = (out / o.report).read_text()
+        assert html.count("data:image/png;base64,") >= 2, o.name
+        assert html.index("Verdict") < html.index("Environment")
+        assert (out / o.name / "key-figure.png").exists()
+        assert len(html) < 3_000_000, (o.name, len(html))
+    check_pages_offline({"index": out / "index.html",
+                         "backend_divergence": out / "backend_divergence" / "report.html"}, tmp_path)

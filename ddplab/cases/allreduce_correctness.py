@@ -521,7 +521,7 @@ def run(params: dict, progress: bool = True):
     finally:
         if bar is not None:
             bar.close()
-    rows = list(result.record_list)
+    rows = list(result.ordered_records)
     rows.append(_records.record("launch_seconds", time.perf_counter() - t0,
                                 world_size=params["world_size"], width=params["width"]))
     for rank, seconds in enumerate(result.returns):

@@ -452,7 +452,7 @@ def run(params: dict, progress: bool = True):
                             env=env, progress=params["steps"] if progress else None,
                             progress_desc=f"{NAME} W={world_size}")
             seconds = time.perf_counter() - t0
-            recs.extend(result.record_list)
+            recs.extend(result.ordered_records)
             recs.append(_records.record("launch_seconds", seconds, world_size=world_size,
                                         runs=len(runs), nccl_algo=env.get("NCCL_ALGO")))
     return _records.to_frame(recs)
@@ -793,7 +793,7 @@ def verdict(records, params: dict) -> Verdict:
                      "computes the same correctly rounded mean")
         findings.append(Finding("two_ranks_bitwise", claim1, holds, evidence))
     else:
-        findings.append(Finding("two_ranks_bitwise", claim1, False,
+        findings.append(Finding("two_ranks_bitwise", claim1, None,
                                 f"not measured: world_sizes={sizes} has no 2"))
 
     # 2. More ranks: the orders differ from the first step, within the bound, and drift apart.
@@ -836,7 +836,7 @@ def verdict(records, params: dict) -> Verdict:
                     same, first, _ = _compare(records, "gloo", r, w)
                     parts.append(f"W={w} the report's pair gloo vs {r}: "
                                  + ("bitwise equal" if same else f"first differ at step {first}"))
-    findings.append(Finding("more_ranks_differ", claim2, ok2,
+    findings.append(Finding("more_ranks_differ", claim2, ok2 if parts else None,
                             "; ".join(parts) if parts else f"not measured: world_sizes={sizes} has no W > 2"))
 
     # 3. The same order twice: the same bits.
@@ -851,7 +851,7 @@ def verdict(records, params: dict) -> Verdict:
                                                        if same else f"differ from step {first}"))
     findings.append(Finding("same_order_reproducible", "The same order run twice gives bitwise "
                             "identical losses and parameters (the report's observation)",
-                            bool(equal) and all(equal),
+                            all(equal) if equal else None,
                             "; ".join(parts) if parts else "not measured: no repeated run"))
 
     # 4. Which one is correct? None is privileged; the reproducible hook makes them agree.
@@ -907,7 +907,8 @@ def verdict(records, params: dict) -> Verdict:
     findings.append(_numerics_facts(records, sizes, runs, kinds, facts, params))
 
     key = [f for f in findings if f.key != "numerics_md"]
-    kind = "rounding" if all(f.holds for f in key) else "unexplained"
+    kind = "rounding" if all(f.holds is not False for f in key) else "unexplained"
+    unmeasured = [f.key for f in key if f.holds is None]
     if kind == "rounding":
         w = max(big) if big else None
         drift = (f" With {w} ranks the orders differ from the first step (about "
@@ -915,12 +916,16 @@ def verdict(records, params: dict) -> Verdict:
                  f"{facts.get(f'ratio_{w}', math.nan):.2g} of the rounding bound) and training "
                  f"amplifies it: the parameters drift to {_fmt(facts.get(f'd_last_{w}', math.nan))} "
                  f"from the exact run in {steps} steps." if w else "")
-        headline = ("Rounding, not a bug: the backends add the gradients in different orders. With 2 "
-                    "ranks every order gives the same bits." + drift + " Neither backend is correct "
+        two = ("" if "two_ranks_bitwise" in unmeasured else
+               " With 2 ranks every order gives the same bits.")
+        headline = ("Rounding, not a bug: the backends add the gradients in different orders."
+                    + two + drift + " Neither backend is correct "
                     "and neither is wrong: each is within the rounding bound of the exact sum. A "
-                    "reproducible (fixed-point) reduction makes every order agree bit for bit.")
+                    "reproducible (fixed-point) reduction makes every order agree bit for bit."
+                    + (f" Not measured with these parameters: {', '.join(unmeasured)}."
+                       if unmeasured else ""))
     else:
-        failed = [f.key for f in key if not f.holds]
+        failed = [f.key for f in key if f.holds is False]
         headline = (f"The measurements do not match the rounding explanation in full: "
                     f"{', '.join(failed)} did not hold; read their evidence.")
     return Verdict(case=NAME, kind=kind, headline=headline, findings=findings)

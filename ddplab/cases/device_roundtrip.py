@@ -626,7 +626,7 @@ def run(params: dict, progress: bool = True):
     t0 = time.perf_counter()
     result = launch(worker, world_size=params["world_size"], backend=backend, args=(params,),
                     timeout=LAUNCH_TIMEOUT)
-    recs = list(result.record_list)
+    recs = list(result.ordered_records)
     recs.append(_records.record("launch_seconds", time.perf_counter() - t0, backend=backend,
                                 world_size=params["world_size"]))
     ordered = sorted(recs, key=lambda r: -1 if r.get("rank") is None else r["rank"])

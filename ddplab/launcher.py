@@ -39,6 +39,7 @@ import datetime
 import faulthandler
 import multiprocessing
 import multiprocessing.connection as mpc
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -270,6 +271,10 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
         try:
             sys.stdout.flush()
             sys.stderr.flush()
+            # Release what multiprocessing registered (semaphores of locks made
+            # in the rank, e.g. tqdm's), else the shared resource tracker warns
+            # about "leaked semaphore objects" when the notebook exits.
+            multiprocessing.util._run_finalizers(0)
         finally:
             # Skip interpreter teardown: stray threads (gloo, user code) must
             # not keep a finished rank alive.

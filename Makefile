@@ -3,6 +3,7 @@
 #   make test     the test suite (real process groups, papermill, headless Chromium)
 #   make lab      JupyterLab with the "ddplab" kernel registered
 #   make bench    benchmarks: ratios measured side by side in one run
+#   make gpu-check  the nccl paths, on a machine with GPUs
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -14,7 +15,7 @@ TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 REPORT_ARGS ?=
 
-.PHONY: setup report test lab bench browser clean
+.PHONY: setup report test lab bench gpu-check browser clean
 
 setup: $(STAMP)
 
@@ -48,6 +49,10 @@ lab: $(STAMP)
 
 bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# The nccl paths, on a machine with GPUs (prints a table; skips what needs more GPUs).
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) reports .pytest_cache

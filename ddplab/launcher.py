@@ -602,15 +602,10 @@ class Launch:
         procs = [p for p in self._procs if p.pid is not None]
         alive = [p for p in procs if p.exitcode is None]
         if alive:
-            import psutil
+            from ddplab.process_tree import descendants, kill_all
 
             # Ranks may have children of their own (DataLoader workers): take them too.
-            family = []
-            for p in alive:
-                try:
-                    family.extend(psutil.Process(p.pid).children(recursive=True))
-                except psutil.Error:
-                    pass
+            family = [child for p in alive for child in descendants(p.pid)]
             # A rank that already sent its result is finishing on its own.
             deadline = time.perf_counter() + (0.5 if len(self._returned) == self.world_size else 0.0)
             for p in alive:
@@ -625,12 +620,7 @@ class Launch:
                 if p.exitcode is None:
                     p.kill()
                     p.join(5)
-            for child in family:
-                try:
-                    child.kill()
-                except psutil.Error:
-                    pass
-            psutil.wait_procs(family, timeout=5)
+            kill_all(family, timeout=5)
         for p in procs:
             p.join(5)
         for c in self._lifelines + self._conns:

@@ -19,8 +19,9 @@ import sys
 import time
 from typing import Callable
 
-import psutil
 import yaml
+
+from ddplab.process_tree import kill_tree
 
 __all__ = ["ExecutionOutcome", "execute_notebook", "STATUSES"]
 
@@ -53,17 +54,7 @@ class ExecutionOutcome:
 
 def _kill_tree(proc: subprocess.Popen) -> None:
     """Kill papermill, its kernel and everything the kernel started (ranks)."""
-    try:
-        root = psutil.Process(proc.pid)
-        family = root.children(recursive=True) + [root]
-    except psutil.Error:
-        family = []
-    for p in family:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(family, timeout=10)
+    kill_tree(proc.pid)
     proc.wait(timeout=10)
 
 

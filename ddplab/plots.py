@@ -17,6 +17,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import seaborn as sns
 
+from ddplab.records import where
+
 __all__ = ["show", "png_bytes", "metric_lines", "metric_heatmap", "select", "theme"]
 
 #: Resolution of displayed and saved figures: sharp enough, small enough for < 2 MB reports.
@@ -31,14 +33,8 @@ def theme():
 
 
 def select(frame, metric: str | Sequence[str], **labels):
-    """The rows of ``frame`` for ``metric`` (one or several) and label values."""
-    metrics = [metric] if isinstance(metric, str) else list(metric)
-    out = frame[frame["metric"].isin(metrics)]
-    for key, val in labels.items():
-        if isinstance(val, (list, tuple, set)):
-            out = out[out[key].isin(list(val))]
-        else:
-            out = out[out[key] == val]
+    """The rows of ``frame`` for ``metric`` and label values; ValueError when none (nothing to draw)."""
+    out = where(frame, metric, **labels)
     if out.empty:
         have = sorted(frame["metric"].dropna().unique().tolist())
         raise ValueError(f"no records for metric {metric!r} with {labels or 'no filter'}; "

@@ -36,6 +36,7 @@ __all__ = [
     "labels",
     "to_frame",
     "canonical",
+    "where",
 ]
 
 RECORD_COLUMNS = ("step", "rank", "bucket", "metric", "value")
@@ -189,3 +190,22 @@ def canonical(frame):
     """
     return frame.sort_values(by=list(frame.columns), na_position="first",
                              kind="mergesort").reset_index(drop=True)
+
+
+def where(frame, metric, **labels):
+    """The rows of ``frame`` for ``metric`` (a name or a list) whose labels match.
+
+    A label value may be a list (any of them). A label the table does not
+    have matches nothing; the result may be empty (verdict rules ask "was it
+    measured?" with ``len(...)``).
+    """
+    metrics = [metric] if isinstance(metric, str) else list(metric)
+    out = frame[frame["metric"].isin(metrics)]
+    for key, val in labels.items():
+        if key not in out.columns:
+            return out.iloc[0:0]
+        if isinstance(val, (list, tuple, set)):
+            out = out[out[key].isin(list(val))]
+        else:
+            out = out[out[key] == val]
+    return out

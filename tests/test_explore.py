@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ddplab.cases import CASES, get_case
+from ddplab.process_tree import kill_tree
 from ddplab.explore import (CaseExplorer, NumericsPlayground, parameter_widget,
                             playground_contributions)
 
@@ -135,14 +136,7 @@ def jupyterlab(tmp_path):
                 pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
             time.sleep(0.5)
     yield url, token
-    import psutil
-    family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-    for p in family:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(family, timeout=10)
+    kill_tree(proc.pid)  # the server, its kernel and any ranks the kernel started
 
 
 @pytest.mark.slow

@@ -639,13 +639,7 @@ def run(params: dict, progress: bool = True):
 CONFIG_KEYS = ["framework", "roundtrip", "variant"]
 
 
-def _rows(records, metric: str, **labels):
-    out = records[records["metric"] == metric]
-    for key, val in labels.items():
-        if key not in out.columns:
-            return out.iloc[0:0]
-        out = out[out[key] == val]
-    return out
+_rows = _records.where  # the rows of one metric with given labels, possibly none
 
 
 def _configs(records) -> list[tuple[str, str, str]]:

@@ -45,6 +45,7 @@ import math
 import torch
 
 from ddplab.parameters import Parameter, ParameterSet
+from ddplab.records import where
 from ddplab.verdict import Finding, Verdict
 
 __all__ = [
@@ -330,14 +331,7 @@ def run(params: dict, progress: bool = True):
 # --------------------------------------------------------------------------- the verdict
 
 
-def _rows(records, metric: str, **labels):
-    """Rows of ``records`` for ``metric`` whose labels equal ``labels`` (possibly none)."""
-    out = records[records["metric"] == metric]
-    for key, val in labels.items():
-        if key not in out.columns:
-            return out.iloc[0:0]
-        out = out[out[key] == val]
-    return out
+_rows = where  # the rows of one metric with given labels, possibly none
 
 
 def _fmt(x: float) -> str:

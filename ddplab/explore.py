@@ -143,7 +143,7 @@ class CaseExplorer:
         """The validated parameters the widgets describe (ValueError naming a bad one)."""
         raw = {name: _widget_value(widget, self.module.PARAMETERS[name])
                for name, widget in self.inputs.items()}
-        return self.module.PARAMETERS.validate(raw)
+        return self.module.check_params(raw)
 
     # -- running ---------------------------------------------------------------------
 

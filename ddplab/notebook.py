@@ -40,7 +40,7 @@ def setup(case: str, values: dict, *, display: bool = True) -> tuple[dict, dict]
     Raises ValueError naming a bad parameter before anything runs.
     """
     module = get_case(case)
-    params = module.PARAMETERS.validate(values)
+    params = module.check_params(values)
     world_sizes = params.get("world_sizes") or ([params["world_size"]] if "world_size" in params else None)
     env = environment_info(backend=params.get("backend", "gloo"), world_sizes=world_sizes)
     if display:

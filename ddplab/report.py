@@ -55,6 +55,11 @@ class CaseSpec:
     notebook: pathlib.Path
     parameters: ParameterSet
     quick: dict = dataclasses.field(default_factory=dict)
+    #: Full validation (the case's check_params); defaults to ``parameters.validate``.
+    check: Callable[[dict], dict] | None = None
+
+    def validate(self, values: dict) -> dict:
+        return (self.check or self.parameters.validate)(values)
 
 
 def case_specs(names: Iterable[str] | None = None,
@@ -73,7 +78,8 @@ def case_specs(names: Iterable[str] | None = None,
         if not path.exists():
             raise ValueError(f"case {name!r}: notebook {path} does not exist")
         specs.append(CaseSpec(name=name, title=module.TITLE, seed=module.SEED, notebook=path,
-                              parameters=module.PARAMETERS, quick=dict(module.QUICK)))
+                              parameters=module.PARAMETERS, quick=dict(module.QUICK),
+                              check=module.check_params))
     return specs
 
 
@@ -122,7 +128,7 @@ def plan_batch(specs: list[CaseSpec], *, overrides: Iterable[tuple[str, str]] = 
         if "results_dir" in io:
             raise ValueError("parameter 'results_dir' is set by ddplab report (reports/<case>/results)")
         try:
-            params = spec.parameters.validate(values)
+            params = spec.validate(values)
         except ValueError as exc:
             raise ValueError(f"case {spec.name!r}: {exc}") from None
         if io.get("run_dir") is not None and not pathlib.Path(io["run_dir"]).is_dir():

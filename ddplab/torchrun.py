@@ -57,7 +57,7 @@ def resolve_target(target: str, overrides: dict) -> tuple[Callable, dict, str]:
     from ddplab.cases import get_case
 
     case = get_case(target)
-    params = case.PARAMETERS.validate(overrides)
+    params = case.check_params(overrides)
     return case.worker, params, target
 
 

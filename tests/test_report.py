@@ -261,3 +261,9 @@ def test_quick_mode_of_every_case(tmp_path):
         assert len(html) < 3_000_000, (o.name, len(html))
     check_pages_offline({"index": out / "index.html",
                          "backend_divergence": out / "backend_divergence" / "report.html"}, tmp_path)
+
+
+def test_rules_across_parameters_are_checked_before_running():
+    # Each value is valid alone; together they are not (live NCCL needs backend nccl).
+    with pytest.raises(ValueError, match="case 'backend_divergence'.*nccl"):
+        plan_batch(case_specs(["backend_divergence"]), overrides=[("orders", "[gloo, nccl_live_ring]")])

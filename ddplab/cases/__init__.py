@@ -10,6 +10,10 @@ batch report, the explorer and torchrun all drive it the same way:
     ``parameters`` cell mirrors it name for name and default for default.
 ``QUICK``
     overrides that make a run take seconds (``ddplab report --quick``, tests).
+``check_params(values)``
+    ``PARAMETERS.validate`` plus the rules that tie parameters together;
+    returns the full parsed parameters or raises ValueError naming the
+    parameter. Everything that starts a case calls it first.
 ``worker(params)``
     what every rank runs for the current world size; it reports through
     :func:`ddplab.emit` and is launcher-agnostic (notebook launcher or torchrun).

@@ -33,8 +33,9 @@ Orders (chunk c is the part of the buffer that rank c finishes):
   pipelining are not modelled.
 * ``exact``: the correctly rounded sum or mean (:mod:`ddplab.numerics.exact`).
 
-Averaging (``op="avg"``): ``divide_first`` (DDP's default comm hook: each rank
-divides by W, then SUM), ``sum_then_divide`` (gloo's AVG),
+Averaging (``op="avg"``): ``divide_first`` (torch's Python ``allreduce_hook``
+in ``default_hooks.py``: each rank divides by W, then SUM; DDP *without* a
+hook multiplies instead, see below), ``sum_then_divide`` (gloo's AVG),
 ``multiply_reciprocal`` (NCCL's ncclAvg on floats: each contribution is
 multiplied by fl(1/W) in the dtype as it enters the sum) and
 ``multiply_float32_reciprocal`` (DDP's reducer without a hook:

@@ -88,7 +88,7 @@ def main() -> None:
         with open(script, "w") as fh:
             fh.write(FIRST_LAUNCH.format(bench_dir=os.path.dirname(os.path.abspath(__file__))))
         first = {"ddplab": [], "spawn": []}
-        for _ in range(max(3, opts.rounds // 2)):
+        for _ in range(opts.rounds):
             for kind in ("ddplab", "spawn"):
                 first[kind].append(first_launch(kind, w, script))
 

@@ -188,7 +188,7 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
     executing = case_dir / ".notebook.executing.ipynb"
     new_results = case_dir / ".results.new"
     shutil.rmtree(new_results, ignore_errors=True)
-    nb_params = {**{k: v for k, v in params.items()}, "results_dir": str(new_results.resolve())}
+    nb_params = {**params, "results_dir": str(new_results.resolve())}
     echo(f"[{index}/{total}] {spec.name}: started")
     outcome = execute_notebook(
         spec.notebook, executing, parameters=nb_params, timeout=timeout,

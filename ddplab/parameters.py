@@ -81,29 +81,20 @@ class Parameter:
             if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
                 return value.lower() in ("true", "yes", "1")
             raise self._fail(value)
-        if kind == "int":
-            if isinstance(value, bool):
+        if kind in ("int", "float"):
+            number = int if kind == "int" else float
+            if isinstance(value, bool):  # bool is an int to Python, never to a user
                 raise self._fail(value)
             if isinstance(value, str):
                 try:
-                    value = int(value.strip())
+                    value = number(value.strip())
                 except ValueError:
                     raise self._fail(value) from None
-            if isinstance(value, float) and value.is_integer():
+            if kind == "int" and isinstance(value, float) and value.is_integer():
                 value = int(value)
-            if not isinstance(value, int):
+            if not isinstance(value, (int, float)) or (kind == "int" and not isinstance(value, int)):
                 raise self._fail(value)
-        elif kind == "float":
-            if isinstance(value, bool):
-                raise self._fail(value)
-            if isinstance(value, str):
-                try:
-                    value = float(value.strip())
-                except ValueError:
-                    raise self._fail(value) from None
-            if not isinstance(value, (int, float)):
-                raise self._fail(value)
-            value = float(value)
+            value = number(value)
         else:  # str, path
             if not isinstance(value, str):
                 raise self._fail(value)

@@ -27,60 +27,51 @@ import nbformat
 import yaml
 
 from ddplab.artifacts import atomic_write_text, load_results
-from ddplab.cases import CASES, get_case
+from ddplab.cases import Case, case_names, get_case
 from ddplab.environment import environment_info
 from ddplab.html_report import header_markdown, notebook_to_html
 from ddplab.index_page import CaseOutcome, summary_markdown, write_index
 from ddplab.notebook_run import execute_notebook
 from ddplab.parameters import ParameterSet
+from ddplab.notebook import IO_PARAMETERS
 from ddplab.verdict import Verdict, verdicts_from_notebook
 
 __all__ = ["CaseSpec", "case_specs", "plan_batch", "run_batch", "run_report",
-           "DEFAULT_TIMEOUT", "NOTEBOOK_DIR", "IO_PARAMETERS"]
+           "DEFAULT_TIMEOUT", "IO_PARAMETERS"]
 
-NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 #: Seconds one notebook may run before it is stopped and reported as timed out.
 DEFAULT_TIMEOUT = 900.0
-#: Notebook parameters every case notebook has besides its case's own.
-IO_PARAMETERS = ("results_dir", "run_dir")
 
 
 @dataclasses.dataclass
 class CaseSpec:
-    """A notebook the batch can run, with the parameters it accepts."""
+    """A notebook the batch can run, with the parameters it accepts (the report's view of a case)."""
 
     name: str
     title: str
-    seed: str
     notebook: pathlib.Path
     parameters: ParameterSet
     quick: dict = dataclasses.field(default_factory=dict)
+    #: The reproduced report's id (:mod:`ddplab.reproduced`), None for a case of one's own.
+    reproduces: str | None = None
     #: Full validation (the case's check_params); defaults to ``parameters.validate``.
     check: Callable[[dict], dict] | None = None
 
     def validate(self, values: dict) -> dict:
         return (self.check or self.parameters.validate)(values)
 
-
-def case_specs(names: Iterable[str] | None = None,
-               notebook_dir: str | os.PathLike = NOTEBOOK_DIR) -> list[CaseSpec]:
-    """Specs of the registered cases (all, or ``names``, in registry order)."""
-    wanted = list(CASES) if not names else list(names)
-    for name in wanted:
-        if name not in CASES:
-            raise ValueError(f"unknown case {name!r}; known cases: {', '.join(CASES)}")
-    specs = []
-    for name in CASES:
-        if name not in wanted:
-            continue
-        module = get_case(name)
-        path = pathlib.Path(notebook_dir) / CASES[name][1]
+    @classmethod
+    def of(cls, case: Case) -> "CaseSpec":
+        path = case.notebook_path()
         if not path.exists():
-            raise ValueError(f"case {name!r}: notebook {path} does not exist")
-        specs.append(CaseSpec(name=name, title=module.TITLE, seed=module.SEED, notebook=path,
-                              parameters=module.PARAMETERS, quick=dict(module.QUICK),
-                              check=module.check_params))
-    return specs
+            raise ValueError(f"case {case.name!r}: notebook {path} does not exist")
+        return cls(name=case.name, title=case.title, notebook=path, parameters=case.parameters,
+                   quick=dict(case.quick), reproduces=case.reproduces, check=case.check_params)
+
+
+def case_specs(names: Iterable[str] | None = None) -> list[CaseSpec]:
+    """Specs of the named cases (built-in names or dotted paths), or of every built-in case."""
+    return [CaseSpec.of(get_case(name)) for name in (list(names) if names else case_names())]
 
 
 def plan_batch(specs: list[CaseSpec], *, overrides: Iterable[tuple[str, str]] = (),
@@ -105,7 +96,7 @@ def plan_batch(specs: list[CaseSpec], *, overrides: Iterable[tuple[str, str]] = 
         if not isinstance(loaded, dict):
             raise ValueError(f"parameters file {params_file} must hold a mapping")
         for key, value in loaded.items():
-            if key in CASES or key in names:
+            if key in case_names() or key in names:
                 if key not in names:
                     continue  # a section for a case not selected this time
                 if not isinstance(value, dict):
@@ -232,7 +223,7 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
         tmp.write_bytes(png)
         os.replace(tmp, case_dir / figure_name)
     result = CaseOutcome(
-        name=spec.name, title=spec.title, seed=spec.seed, status=outcome.status,
+        name=spec.name, title=spec.title, seed=spec.reproduces or "", status=outcome.status,
         seconds=outcome.seconds, verdict=verdict, report=f"{spec.name}/report.html",
         summary=f"{spec.name}/summary.md", notebook=f"{spec.name}/notebook.ipynb",
         key_figure=f"{spec.name}/{figure_name}" if figure_name else None, error=outcome.error)
@@ -269,7 +260,7 @@ def _merge_with_previous(out_dir: pathlib.Path, outcomes: list[CaseOutcome]) -> 
                     previous.append(CaseOutcome(**data))
         except (ValueError, KeyError, TypeError):
             previous = []
-    order = {name: i for i, name in enumerate(CASES)}
+    order = {name: i for i, name in enumerate(case_names())}
     merged = outcomes + previous
     return sorted(merged, key=lambda o: order.get(o.name, len(order)))
 
@@ -297,7 +288,7 @@ def run_batch(planned: list[tuple[CaseSpec, dict]], out_dir: str | os.PathLike, 
 def run_report(opts) -> int:
     """The ``ddplab report`` command (see :mod:`ddplab.cli` for the options)."""
     try:
-        specs = case_specs(opts.cases or None, opts.notebooks)
+        specs = case_specs(opts.cases or None)
         planned = plan_batch(specs, overrides=opts.param or (), params_file=opts.params,
                              quick=opts.quick)
         if opts.timeout <= 0:

@@ -40,7 +40,7 @@ from ddplab.verdict import Verdict
 __all__ = ["Case", "LaunchPlan", "BUILTIN_NOTEBOOK_DIR"]
 
 #: Where the built-in cases' notebooks live.
-BUILTIN_NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "notebooks"
+BUILTIN_NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
 #: Launch timeout (s) when a case's plan does not set one.
 DEFAULT_LAUNCH_TIMEOUT = 300.0

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 from ddplab.artifacts import save_results
 from ddplab.cases import Case, get_case
 from ddplab.environment import environment_markdown
+from ddplab.progress import in_batch
 from ddplab.verdict import Verdict
 
 __all__ = ["setup", "CaseSession", "IO_PARAMETERS", "parameters_markdown", "parameters_source",
@@ -37,6 +38,16 @@ def parameters_markdown(params: dict) -> str:
     rows = ["| parameter | value |", "|---|---|"]
     rows += [f"| {k} | `{v!r}` |" for k, v in params.items()]
     return "\n".join(rows) + "\n"
+
+
+def _warnings_to_stdout() -> None:
+    """In batch reports, print warnings as plain output: stderr is styled as an error there."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"{category.__name__}: {message} ({pathlib.Path(filename).name}:{lineno})")
+
+    warnings.showwarning = show
 
 
 def _display_markdown(text: str) -> None:
@@ -124,6 +135,8 @@ def setup(case: "str | Case", namespace: Mapping[str, Any] | None = None, *,
     case = get_case(case)
     if namespace is None:
         namespace = sys._getframe(1).f_globals
+    if in_batch():
+        _warnings_to_stdout()
     missing = [name for name in case.parameters.names() if name not in namespace]
     if missing:
         raise ValueError(f"case {case.name!r}: the notebook's parameters cell does not define "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 from typing import Any, Iterable
 
 from ddplab.formatting import render, render_field
@@ -69,14 +70,14 @@ class Finding:
 
     def to_dict(self) -> dict:
         return {"key": self.key, "claim": self.claim_text, "holds": self.holds,
-                "evidence": self.evidence, "values": self.values,
+                "evidence": self.evidence, "values": _json_safe(self.values),
                 "claim_template": self.claim, "template": self.template}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Finding":
         return cls(key=data["key"], claim=data.get("claim_template", data["claim"]),
                    holds=data["holds"], template=data.get("template", data.get("evidence", "")),
-                   values=data.get("values", {}))
+                   values=_from_json_safe(data.get("values", {})))
 
 
 @dataclasses.dataclass
@@ -135,7 +136,7 @@ class Verdict:
 
     def to_dict(self) -> dict:
         return {"case": self.case, "kind": self.kind, "headline": self.headline,
-                "summary": self.summary, "scope": self.scope, "values": self.values,
+                "summary": self.summary, "scope": self.scope, "values": _json_safe(self.values),
                 "key_numbers": self.key_numbers,
                 "findings": [f.to_dict() for f in self.findings]}
 
@@ -144,11 +145,11 @@ class Verdict:
         return cls(case=data["case"], kind=data["kind"],
                    summary=data.get("summary", data.get("headline", "")),
                    findings=[Finding.from_dict(f) for f in data["findings"]],
-                   values=data.get("values", {}), scope=data.get("scope", ""),
+                   values=_from_json_safe(data.get("values", {})), scope=data.get("scope", ""),
                    key_numbers=data.get("key_numbers", {}))
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
 
     def to_records(self) -> list[dict]:
         """The findings as tidy records (metric ``finding_holds``, value 0/1, NaN when not measured)."""
@@ -189,6 +190,31 @@ class Verdict:
         # The JSON copy lets batch tools read the verdict without parsing HTML.
         return {"text/markdown": self.to_markdown(), "text/html": self.to_html(),
                 "text/plain": self.to_markdown(), VERDICT_MIME: self.to_dict()}
+
+
+def _json_safe(value):
+    """``value`` as strict JSON: NaN and ±inf become ``{"float": "nan" | "inf" | "-inf"}``.
+
+    Jupyter refuses non-finite floats in a message, and other tools reading
+    verdict.json should not need Python's JSON extensions.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _from_json_safe(value):
+    if isinstance(value, dict):
+        if set(value) == {"float"}:
+            return float(value["float"])
+        return {k: _from_json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_from_json_safe(v) for v in value]
+    return value
 
 
 def _mark(holds: bool | None) -> str:

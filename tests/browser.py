@@ -12,9 +12,15 @@ def _chromium():
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def check_pages_offline(pages: dict, shots: pathlib.Path) -> None:
+#: What raw TeX looks like when no renderer ran.
+RAW_TEX = ("\\sqrt", "\\sum", "$\\", "\\gamma", "\\|")
+
+
+def check_pages_offline(pages: dict, shots: pathlib.Path, *, successful: tuple = ()) -> None:
     """Open each page in headless Chromium with the network cut: it renders, every
-    image loads, nothing is fetched; a screenshot of each lands in ``shots``."""
+    image loads, nothing is fetched, no raw TeX is visible; a screenshot of each
+    lands in ``shots``. Pages named in ``successful`` must show no error-styled
+    output (stderr streams, tracebacks)."""
     if _chromium() is None:
         pytest.skip("Debian's chromium is not installed (make test installs it as root)")
     from playwright.sync_api import sync_playwright
@@ -35,6 +41,13 @@ def check_pages_offline(pages: dict, shots: pathlib.Path) -> None:
                 "img", "els => els.map(e => [e.complete, e.naturalWidth])")
             assert images, f"{name}: no images"
             assert all(done and width > 0 for done, width in images), (name, images)
+            visible = page.inner_text("body")
+            assert not [t for t in RAW_TEX if t in visible], (name, [t for t in RAW_TEX if t in visible])
+            if name in successful:
+                errors = page.eval_on_selector_all(
+                    "[data-mime-type='application/vnd.jupyter.stderr'], .jp-OutputArea-output.jp-mod-error"
+                    ", .output_stderr, .output_error", "els => els.map(e => e.innerText.slice(0, 200))")
+                assert errors == [], (name, errors)
             page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
             assert (shots / f"{name}.png").stat().st_size > 10_000
         browser.close()

@@ -1,6 +1,7 @@
 """The batch report: real papermill + nbconvert runs, failures, offline HTML in Chromium."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -183,7 +184,11 @@ def test_index_and_summary(batch):
     html = (out / "index.html").read_text()
     assert "timed out" in html and "good/report.html" in html
     summary = (out / "good" / "summary.md").read_text()
-    assert "| ✔ holds | every loss is finite |" in summary
+    # Short first: verdict, scope, key numbers, figure, command; the findings folded below.
+    assert summary.index("**Verdict: rounding.**") < summary.index("*Scope:* the fixture") \
+        < summary.index("| records | 6 |") < summary.index("![key figure]") \
+        < summary.index("Reproduce: `ddplab report good") < summary.index("<details>")
+    assert "| ✔ holds | every loss is finite |" in summary.split("<details>", 1)[1]
     assert "![key figure](key-figure.png)" in summary
     assert (out / "good" / "key-figure.png").read_bytes().startswith(b"\x89PNG")
     assert "-p sizes" not in summary  # defaults are not repeated in the reproduce command
@@ -216,3 +221,36 @@ def test_rules_across_parameters_are_checked_before_running():
     # Each value is valid alone; together they are not (live NCCL needs backend nccl).
     with pytest.raises(ValueError, match="case 'backend_divergence'.*nccl"):
         plan_batch(case_specs(["backend_divergence"]), overrides=[("orders", "[gloo, nccl_live_ring]")])
+
+
+def test_published_files_are_shareable_and_name_no_local_path(tmp_path, monkeypatch):
+    """Mode 0666 less the umask, no machine path inside, no stale figure after a failed re-run."""
+    import os
+
+    from ddplab.artifacts import local_path_scrubber
+
+    monkeypatch.chdir(tmp_path)
+    old = os.umask(0o022)
+    try:
+        [(spec, params)] = plan_batch([_spec(tmp_path, "good", OK_CELLS, key_figure=1)])
+        run_batch([(spec, params)], "reports", timeout=120, echo=lambda _: None)
+        files = [p for p in (tmp_path / "reports").rglob("*") if p.is_file()]
+        assert {f.name for f in files} >= {"report.html", "summary.md", "index.html", "index.json",
+                                         "verdict.json", "records.jsonl", "key-figure.png"}
+        for f in files:
+            assert f.stat().st_mode & 0o777 == 0o644, (f, oct(f.stat().st_mode))
+            text = f.read_text(errors="replace")
+            scrubbed = local_path_scrubber(spec.notebook.parent)(text)
+            for path in {str(tmp_path), os.getcwd(), sys.prefix, os.path.expanduser("~")}:
+                if f.suffix == ".png":
+                    continue
+                assert path not in text or text == scrubbed, (f, path)
+            if f.suffix != ".png":
+                assert text == scrubbed, f
+        # The same case failing on a re-run: its old key figure must not stay beside the new report.
+        broken = dataclasses.replace(spec, notebook=_notebook(tmp_path / "b.ipynb", FAIL_CELLS))
+        run_batch([(broken, params)], "reports", timeout=120, echo=lambda _: None)
+        assert not (tmp_path / "reports" / "good" / "key-figure.png").exists()
+        assert "key-figure" not in (tmp_path / "reports" / "good" / "summary.md").read_text()
+    finally:
+        os.umask(old)

@@ -233,7 +233,7 @@ def _desync_findings(desynced: list[RunFacts], steps: int) -> list[Finding]:
         "an exception or a warning (only ddplab's guard spoke)",
         all(f.completed == steps and f.warnings == 0 for f in desynced),
         "{runs} (in this order): {completed} of {steps} steps trained without an exception; "
-        "Python warnings {warnings} ({messages})",
+        "Python warnings (all ranks) {warnings} ({messages})",
         {"runs": runs, "completed": [f.completed for f in desynced], "steps": steps,
          "warnings": [f.warnings for f in desynced],
          "messages": "; ".join(m for f in desynced for m in f.warning_messages)[:300] or "none"})

@@ -327,6 +327,20 @@ def test_two_ranks_plain_ddp_round_trip_right_after_wrapping(no_leftovers):
     assert set(detached["value"]) == {0.0}
 
 
+def test_explorer_shows_one_progress_bar_per_configuration(no_leftovers):
+    from ddplab.explore import CaseExplorer
+
+    explorer = CaseExplorer("device_roundtrip")
+    explorer.set_values(framework=["ddp"], roundtrip=["none", "dtype"], steps=3, roundtrip_step=1)
+    explorer.run()
+    explorer.wait(180)
+    assert explorer.error is None, explorer.error
+    bars = [(bar.description, bar.value, bar.max) for bar in explorer.bars.children]
+    runs = ["ddp · none · as reported", "ddp · dtype · as reported", "ddp · dtype · re-wrapped"]
+    assert bars == [(f"W=2 {run}"[:28], 3, 3) for run in runs]   # the explorer cuts at 28 characters
+    assert explorer.verdict.kind == "bug"
+
+
 # --------------------------------------------------------------------------- the notebook
 
 

@@ -120,16 +120,25 @@ class RunFacts:
         return float(counts[-1] if most else counts[0]) if counts else math.nan
 
 
+#: The metrics :func:`run_facts` reads.
+FACT_METRICS = ("grad_bitwise_equal", "grad_max_abs_diff", "report_allclose", "weight_distance",
+                "buckets_reduced", "detector_alarm", "training_warnings", "steps_completed",
+                "roundtrip_applied")
+
+
 def run_facts(records, config, rt: int) -> RunFacts:
     """Condense one configuration's records (round trip before step ``rt``)."""
-    of = config_labels(config)
-    equal = _per_step(where(records, "grad_bitwise_equal", **of), "min")
-    allclose = _per_step(where(records, "report_allclose", **of), "min")
-    alarms = where(records, "detector_alarm", **of)
-    warn = where(records, "training_warnings", **of)
-    completed = where(records, "steps_completed", **of)
-    applied = where(records, "roundtrip_applied", **of)
-    diff = _per_step(where(records, "grad_max_abs_diff", **of), "max")
+    mine = where(records, list(FACT_METRICS), **config_labels(config))
+    by_metric = dict(tuple(mine.groupby("metric")))
+
+    def rows(metric: str):
+        return by_metric.get(metric, mine.iloc[0:0])
+
+    equal = _per_step(rows("grad_bitwise_equal"), "min")
+    allclose = _per_step(rows("report_allclose"), "min")
+    diff = _per_step(rows("grad_max_abs_diff"), "max")
+    alarms, warn, applied = rows("detector_alarm"), rows("training_warnings"), rows("roundtrip_applied")
+    completed = rows("steps_completed")
     restored = bool(len(applied)) and all(
         (applied[f"{k}_before"] == applied[f"{k}_after"]).all() for k in ("dtype", "device"))
     return RunFacts(
@@ -137,9 +146,9 @@ def run_facts(records, config, rt: int) -> RunFacts:
         steps=sorted(equal), out_of_sync=[s for s in sorted(equal) if equal[s] < 1],
         max_grad_diff=max(diff.values()) if diff else math.nan,
         report_fails=[s for s in sorted(allclose) if allclose[s] < 1],
-        distance=_per_step(where(records, "weight_distance", **of), "max"),
+        distance=_per_step(rows("weight_distance"), "max"),
         buckets={int(s): sorted(int(v) for v in g["value"])
-                 for s, g in where(records, "buckets_reduced", **of).groupby("step")},
+                 for s, g in rows("buckets_reduced").groupby("step")},
         alarm_steps=[int(s) for s in label_values(alarms, "step")],
         alarm_ranks=[int(r) for r in label_values(alarms, "rank")],
         alarm_when=label_values(alarms, "when"), alarm_messages=label_values(alarms, "message"),

@@ -63,7 +63,8 @@ from ddplab.numerics.orders import (BIT_EXACT_ORDERS, check_reduction, gloo_ring
 from ddplab.numerics.ulp import ulp_distance
 from ddplab.records import record
 
-__all__ = ["METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "measure", "error_records"]
+__all__ = ["METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "same_bits", "measure",
+           "error_records", "records_of"]
 
 # The numeric entries of measure()'s dict, in the order error_records emits them.
 METRICS = ("numel", "max_ulp", "mean_ulp", "frac_correctly_rounded", "max_abs_error",
@@ -96,7 +97,7 @@ def _reference_parts(c, op, reference, divisor=None):
     return hi, torch.zeros_like(hi)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise: identical bits, or both NaN (a NaN's payload is no part of the result)."""
     ints = float_format(a.dtype).int_dtype
     return (a.view(ints) == b.view(ints)) | (torch.isnan(a) & torch.isnan(b))
@@ -294,7 +295,7 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
         if expected.numel() != c.numel or expected.dtype != dtype:
             raise ValueError(f"expected must hold {c.numel} {dtype} elements, got {expected.numel()} "
                              f"{expected.dtype}")
-        differs = ~_same_bits(result, expected)
+        differs = ~same_bits(result, expected)
         count = int(differs.sum())
         element_size = torch.empty((), dtype=parse_dtype(reduce_dtype or c.dtype)).element_size()
         chunks = _chunks(order, c.numel, c.world_size, element_size,
@@ -340,6 +341,14 @@ def error_records(result, contributions, order: str | None, *, op: str = "sum", 
     m = measure(result, contributions, order, op=op, reference=reference, averaging=averaging,
                 accumulate=accumulate, reduce_dtype=reduce_dtype, expected=expected, bitwise=bitwise,
                 **(options or {}))
+    return records_of(m, result, contributions, order, op=op, averaging=averaging, accumulate=accumulate,
+                      reduce_dtype=reduce_dtype, step=step, rank=rank, bucket=bucket, **labels)
+
+
+def records_of(m: dict, result, contributions, order: str | None, *, op: str = "sum",
+               averaging: str | None = None, accumulate=None, reduce_dtype=None, step: int | None = None,
+               rank: int | None = None, bucket: int | None = None, **labels) -> list[dict]:
+    """:func:`error_records` of a :func:`measure` dict ``m`` already computed for these arguments."""
     world = contributions.shape[0] if isinstance(contributions, torch.Tensor) else \
         as_contributions(contributions).world_size
     base = dict(order=order, op=op, dtype=float_format(result.dtype).name, world_size=world,

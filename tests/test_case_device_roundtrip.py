@@ -213,6 +213,7 @@ def test_verdict_on_the_expected_records_is_a_silent_bug_fixed_by_rewrapping():
     assert "every loss bitwise equal" in v.headline
     assert set(v.key_numbers.values()) <= set(v.values) and v.scope
     assert "not covered" in v.scope and "accuracy of the reduction" in v.scope
+    assert v.values["evidence"] == "bitwise"
 
 
 def test_verdict_when_rewrapping_does_not_fix_it():

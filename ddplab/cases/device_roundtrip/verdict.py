@@ -21,9 +21,10 @@ CONFIG_KEYS = ("framework", "roundtrip", "variant")
 
 SCOPE = ("Covers, per configuration and step, whether DDP's reducer reduced the gradients (buckets "
          "handed to its communication hook per backward), whether every gradient is bitwise equal "
-         "across ranks after backward, the report's own all_gather + allclose check, and the "
-         "replicas' weight distance; not covered: the numerical accuracy of the reduction itself "
-         "(how close the averaged gradient is to the exact mean), which is not the question here.")
+         "across ranks after backward (evidence: bit equality, no rounding bound involved), the "
+         "report's own all_gather + allclose check, and the replicas' weight distance; not covered: "
+         "the numerical accuracy of the reduction itself (how close the averaged gradient is to the "
+         "exact mean), which is not the question here.")
 
 
 def configurations(records) -> list[tuple[str, str, str]]:
@@ -387,6 +388,9 @@ def verdict(records, params: dict) -> Verdict:
 
     gap_values = [g for g in (fix.values["loss_gap"] if fix else []) if not math.isnan(g)]
     values = {
+        # The referee's evidence kinds (ddplab.numerics.EVIDENCE): every claim about sync here is
+        # bit equality of gradients across ranks, and buckets are counted, never bounded.
+        "evidence": "bitwise",
         "world_size": world, "steps": steps, "roundtrip_step": rt, "steps_after": steps - rt,
         "frameworks": sorted({f.config[0] for f in broke}, key=FRAMEWORKS.index) or "none",
         "roundtrips": sorted({f.config[1] for f in broke}, key=ROUNDTRIPS.index) or "none",

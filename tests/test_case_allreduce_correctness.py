@@ -181,17 +181,23 @@ def test_verdict_on_a_real_run(small_run):
     assert [f.key for f in v.findings] == ["fixed_within_bound", "as_ready_not_rounding",
                                           "as_ready_mispaired", "race_not_rounding", "report_signature"]
     results = 3 * len(w.VARIABLES)
-    assert v.finding("fixed_within_bound").values["passed"] == results == v.values["fixed_within"]
+    fixed = v.finding("fixed_within_bound").values
+    assert fixed["passed"] == results == v.values["fixed_within"] == v.values["fixed_rounding"]
+    # "rounding" rests on the strongest evidence: every result is gloo's emulated ring, bit for bit
+    assert fixed["evidence"] == v.values["fixed_evidence"] == "bitwise" and fixed["matches"] == results
     assert v.values["fixed_max_ratio"] <= 1
     ready = v.finding("as_ready_not_rounding").values
     assert ready["failing_variables"] == ["aaa/W", "bbb/W"] and ready["first_step"] == 0
-    assert ready["min_ratio"] >= 10 ** ready["decades"]
+    assert ready["min_ratio"] >= 10 ** ready["decades"] and ready["classification"] == "not rounding"
     mispaired = v.finding("as_ready_mispaired").values
     assert mispaired["pairs"] == ["rank 0's aaa/W with rank 1's bbb/W", "rank 0's bbb/W with rank 1's aaa/W"]
     assert mispaired["mismatched"] == 6 and mispaired["explained"] == mispaired["failed"] > 0
+    # each mispaired result is bit for bit gloo's ring over exactly the tensors the ledger paired
+    assert (mispaired["paired_classification"], mispaired["paired_evidence"]) == ("rounding", "bitwise")
     race = v.finding("race_not_rounding").values
     assert race["triggered"] == race["writes"] == results and race["exact"] == race["failed"] == results
     assert race["offset"] == pytest.approx(1e-3) and race["mismatched"] == 0
+    assert race["classification"] == "not rounding"
     signature = v.finding("report_signature").values
     assert signature["report"] == REPORT_MAX_DIFF and signature["as_ready_constant"] == 0
     assert signature["race_exact"] == signature["race_failed"]
@@ -216,14 +222,21 @@ def test_every_figure_draws_alone_and_in_a_given_axes(small_run):
         plt.close(fig)
 
 
+def _only_fixed(records):
+    return records[(records["mode"] == "fixed") | records["mode"].isna()]
+
+
 def test_verdict_rule_on_planted_faults(small_run):
     """The rule reads the records: planted faults change exactly the findings they should."""
     records, params = small_run
+    judged = records["metric"].isin(["max_abs_error", "max_bound_ratio", "within_bound",
+                                     "frac_matches_order"])
     # A fixed-order result beyond the report's tolerance and the bound: fixed no longer holds.
     bad = records.copy()
     fixed = (bad["mode"] == "fixed") & (bad["step"] == 1) & (bad["variable"] == "conv3/W")
     bad.loc[fixed & (bad["metric"] == "report_check_pass"), "value"] = 0
     bad.loc[fixed & (bad["metric"] == "max_bound_ratio"), "value"] = 5e6
+    bad.loc[fixed & judged, "verdict"] = "not rounding"
     v = case.verdict(bad, params)
     assert not v.holds("fixed_within_bound") and v.holds("as_ready_not_rounding")
     assert v.finding("fixed_within_bound").values["outside"] == 1
@@ -234,22 +247,39 @@ def test_verdict_rule_on_planted_faults(small_run):
     quiet.loc[race & (quiet["metric"] == "write_after_completion"), "value"] = 0
     quiet.loc[race & (quiet["metric"] == "report_check_pass"), "value"] = 1
     quiet.loc[race & (quiet["metric"] == "max_bound_ratio"), "value"] = 0.5
+    quiet.loc[race & judged, "verdict"] = "rounding"
     quiet.loc[race & (quiet["metric"] == "constant_offset_wd"), "value"] = 0
     v = case.verdict(quiet, params)
     assert not v.holds("race_not_rounding") and v.finding("race_not_rounding").values["triggered"] == 0
     assert v.kind == "bug"  # as_ready still is one
     # as_ready's mispaired results no longer the sum of what the ledger paired: the cause is unexplained.
     odd = records.copy()
-    odd.loc[(odd["mode"] == "as_ready") & (odd["metric"] == "paired_bound_ratio"), "value"] = 40.0
+    paired = (odd["mode"] == "as_ready") & (odd["metric"] == "paired_bound_ratio")
+    odd.loc[paired, "value"] = 40.0
+    odd.loc[paired, "verdict"] = "not rounding"
     v = case.verdict(odd, params)
     assert v.holds("as_ready_not_rounding") and not v.holds("as_ready_mispaired")
     # Only the fixed order run: rounding, and no finding about the bug modes.
-    only_fixed = records[(records["mode"] == "fixed") | records["mode"].isna()]
-    v = case.verdict(only_fixed, {**params, "mode": ["fixed"]})
+    only_fixed = {**params, "mode": ["fixed"]}
+    v = case.verdict(_only_fixed(records), only_fixed)
     assert v.kind == "rounding" and [f.key for f in v.findings] == ["fixed_within_bound"]
+    assert v.values["fixed_evidence"] == "bitwise"
     # Only fixed, and it fails: the correct program summing wrongly is a bug, never "rounding".
-    v = case.verdict(bad[(bad["mode"] == "fixed") | bad["mode"].isna()], {**params, "mode": ["fixed"]})
-    assert v.kind == "bug"
+    assert case.verdict(_only_fixed(bad), only_fixed).kind == "bug"
+    # A bit off gloo's ring, far below the bound and the tolerance: bitwise evidence still calls it.
+    subtle = records.copy()
+    one = (subtle["mode"] == "fixed") & (subtle["step"] == 2) & (subtle["variable"] == "conv5/W") & judged
+    subtle.loc[one, "verdict"] = "not rounding"
+    subtle.loc[one & (subtle["metric"] == "frac_matches_order"), "value"] = 0.99
+    v = case.verdict(_only_fixed(subtle), only_fixed)
+    assert v.kind == "bug" and not v.holds("fixed_within_bound")
+    assert v.finding("fixed_within_bound").values["outside"] == 0
+    assert v.finding("fixed_within_bound").values["matches"] == 3 * len(w.VARIABLES) - 1
+    # Where no bit-exact model applies the bound is the evidence, and the verdict says so.
+    bounded = records.copy()
+    bounded.loc[judged, "evidence"] = "bound"
+    v = case.verdict(_only_fixed(bounded), only_fixed)
+    assert v.kind == "rounding" and v.values["fixed_evidence"] == "bound"
     # Nothing measured: undetermined.
     v = case.verdict(records[records["mode"].isna()], params)
     assert v.kind == "undetermined" and v.finding("fixed_within_bound").holds is None

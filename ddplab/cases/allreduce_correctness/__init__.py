@@ -54,10 +54,12 @@ Records (label ``mode`` on every one), per step and variable, measured by one
 of the ranks holding a result bit for bit (label ``holders``):
 ``report_max_diff`` and ``report_check_pass`` (the report's check, in
 float32), ``max_abs_error``, ``max_bound_ratio``, ``within_bound`` and
-``rounding_bound`` (:func:`ddplab.numerics.measure` against the exact sum,
-gloo's ring's bound), ``constant_offset_wd`` (k when add_n − reduced is k·1e-3
-at every element, else 0), ``paired_bound_ratio`` (mispaired results against
-the sum of what the ledger says was combined; label ``paired``),
+``frac_matches_order`` (:func:`ddplab.numerics.measure` against the exact sum
+and gloo's emulated ring; labels ``verdict`` and ``evidence``: "bitwise"
+where the ring's bits decide), ``rounding_bound``, ``constant_offset_wd`` (k
+when add_n − reduced is k·1e-3 at every element, else 0),
+``paired_bound_ratio`` (mispaired results measured against the sum of what
+the ledger says was combined; labels ``paired``, ``verdict``, ``evidence``),
 ``distinct_results``; per collective (rank 0) ``collective_mismatch`` with
 labels ``seq``, ``variable`` and ``combined`` (``0:bbb/W + 1:aaa/W``); per
 step ``loss``; in race mode ``write_after_completion``; per rank

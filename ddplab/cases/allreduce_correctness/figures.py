@@ -36,6 +36,8 @@ def summary_table(records, params: dict | None = None):
             # Seven digits: a ratio of 0.9999996 must not print as 1.
             "largest error / rounding bound": f"{f['max_ratio']:.7g}",
             "classification": f["classification"],
+            "evidence": f["evidence"],
+            "bit for bit gloo's emulated ring": f"{f['matches_order']} of {f['results']}",
             "mispaired collectives (ledger)": f["mismatched_collectives"],
             "failing errors as multiples of 1e-3": offsets or "—",
             "steps × variables where ranks disagree": f"{f['ranks_disagree']} of {f['agree_checks']}",

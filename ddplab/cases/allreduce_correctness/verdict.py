@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from ddplab.cases.allreduce_correctness.worker import MODES, VARIABLES, WEIGHT_DECAY
+from ddplab.numerics.accuracy import EVIDENCE
 from ddplab.records import label_values, where
 from ddplab.verdict import Finding, Verdict
 
@@ -33,6 +34,19 @@ def modes_run(records) -> list[str]:
 
 def _first_step(rows) -> int | None:
     return None if rows.empty else int(rows["step"].min())
+
+
+def _judged(rows) -> tuple[str, str | None]:
+    """(classification, evidence) of a set of measured results, from the referee's labels.
+
+    "not rounding" if any result is; "rounding" only if every one is; else
+    "undetermined". The evidence is the weakest any result rests on.
+    """
+    verdicts = set(rows["verdict"].dropna()) if "verdict" in rows else set()
+    evidence = set(rows["evidence"].dropna()) if "evidence" in rows else set()
+    kind = ("not rounding" if "not rounding" in verdicts else
+            "rounding" if verdicts == {"rounding"} else "undetermined")
+    return kind, max(evidence, key=EVIDENCE.index) if evidence else None
 
 
 def _prints_report(value: float) -> bool:
@@ -61,7 +75,9 @@ def mode_facts(records, mode: str) -> dict:
     failing_ratio, failing_offset, failing_diff = at_failing(ratio), at_failing(offset), at_failing(diff)
     outside = ratio[ratio["value"] > 1]
     flagged = mismatch[mismatch["value"] == 1]
-    explained = paired[paired["value"] <= 1].set_index(keys).index
+    classification, evidence = _judged(ratio)
+    paired_kind, paired_evidence = _judged(paired)
+    explained = paired[paired["verdict"] == "rounding"].set_index(keys).index if len(paired) else []
     facts = dict(
         mode=mode, steps=int(check["step"].nunique()), results=len(check), failed=len(failing),
         first_failing_step=_first_step(failing),
@@ -70,14 +86,16 @@ def mode_facts(records, mode: str) -> dict:
         max_ratio=float(ratio["value"].max()) if len(ratio) else math.nan,
         min_failing_ratio=float(failing_ratio.min()) if len(failing_ratio) else math.nan,
         outside_bound=len(outside), first_outside_step=_first_step(outside),
-        classification="rounding" if len(ratio) and ratio["value"].max() <= 1 else "not rounding",
+        classification=classification, evidence=evidence,
+        rounding=int((ratio["verdict"] == "rounding").sum()) if len(ratio) else 0,
+        matches_order=int((where(records, "frac_matches_order", mode=mode)["value"] == 1).sum()),
         min_failing_diff=float(failing_diff.min()) if len(failing_diff) else math.nan,
         max_failing_diff=float(failing_diff.max()) if len(failing_diff) else math.nan,
         # Failing results per offset k (k·1e-3 at every element; 0: not constant).
         offsets={int(k): int(n) for k, n in failing_offset.value_counts().items()},
         report_number=int(failing_diff.map(_prints_report).sum()),
         max_paired_ratio=float(paired["value"].max()) if len(paired) else math.nan,
-        paired_results=len(paired),
+        paired_results=len(paired), paired_classification=paired_kind, paired_evidence=paired_evidence,
         failing_unexplained=int((~fail_keys.isin(explained)).sum()),
         mismatched_collectives=len(flagged), mismatched_steps=int(flagged["step"].nunique()),
         combined=sorted(set(flagged["combined"].dropna())),
@@ -105,34 +123,44 @@ def describe_pairs(combined: list[str]) -> list[str]:
 # --------------------------------------------------------------------------- findings
 
 
+#: What a "rounding" verdict rests on, per kind of evidence (the referee's strongest first).
+GROUNDS = {"bitwise": "{matches} of {results} equal gloo's ring emulated on the same contributions bit "
+                      "for bit (bitwise evidence)",
+           "bound": "the bound is the evidence (no bit-exact model)",
+           "probabilistic": "only a probabilistic bound applies (undetermined)"}
+
+
 def _fixed(f: dict | None, tolerance: float) -> Finding:
-    claim = ("fixed (one agreed order): every result passes the report's check and stays within the "
-             "rounding bound at every step")
+    claim = ("fixed (one agreed order): every result passes the report's check and is what rounding "
+             "in gloo's ring gives, at every step")
     if f is None:
         return Finding("fixed_within_bound", claim, None, "not run (mode does not include 'fixed')")
     values = dict(passed=f["results"] - f["failed"], results=f["results"], steps=f["steps"],
                   variables=len(VARIABLES), ranks_disagree=f["ranks_disagree"], tolerance=tolerance,
                   max_diff=f["max_diff"], max_ratio=f["max_ratio"], outside=f["outside_bound"],
-                  mismatched=f["mismatched_collectives"], classification=f["classification"])
+                  mismatched=f["mismatched_collectives"], classification=f["classification"],
+                  rounding=f["rounding"], evidence=f["evidence"] or "none", matches=f["matches_order"])
     ok = f["failed"] == 0 and f["classification"] == "rounding" and f["mismatched_collectives"] == 0
     return Finding("fixed_within_bound", claim, ok,
                    "{passed} of {results} results ({steps} steps × {variables} variables; ranks "
                    "disagree in {ranks_disagree} of them) pass |add_n − reduced| < {tolerance} (largest "
-                   "difference {max_diff}); largest error / rounding bound {max_ratio:.7g} ({outside} "
-                   "beyond 1: '{classification}'); the ledger found {mismatched} mispaired collectives",
-                   values)
+                   "difference {max_diff}); {rounding} of {results} are rounding: "
+                   + GROUNDS.get(f["evidence"], "no verdict was recorded")
+                   + "; largest error / rounding bound {max_ratio:.7g} ({outside} beyond 1); the ledger "
+                   "found {mismatched} mispaired collectives", values)
 
 
 def _as_ready(a: dict) -> list[Finding]:
     values = dict(failed=a["failed"], results=a["results"], steps=a["steps"],
                   first_step=a["first_failing_step"] if a["failed"] else "never",
                   failing_variables=a["failing_variables"] or "none", min_ratio=a["min_failing_ratio"],
-                  max_ratio=a["max_ratio"], classification=a["classification"], decades=MANY_DECADES)
+                  max_ratio=a["max_ratio"], classification=a["classification"], decades=MANY_DECADES,
+                  evidence=a["evidence"] or "none")
     decades = math.log10(a["min_failing_ratio"]) if a["failed"] and a["min_failing_ratio"] > 0 else 0
     ok = a["failed"] > 0 and a["classification"] == "not rounding" and decades >= MANY_DECADES
     template = ("{failed} of {results} results fail the report's check, from step {first_step} on, in "
                 "{failing_variables}; their error is {min_ratio} to {max_ratio} times the rounding bound; "
-                "classified '{classification}'" if a["failed"] else
+                "classified '{classification}' ({evidence} evidence)" if a["failed"] else
                 "no result failed in {steps} steps (largest error / bound {max_ratio:.7g})")
     not_rounding = Finding(
         "as_ready_not_rounding",
@@ -141,17 +169,20 @@ def _as_ready(a: dict) -> list[Finding]:
 
     pairs = describe_pairs(a["combined"])
     named = {v for pair in a["combined"] for v in (p.split(":", 1)[1] for p in pair.split(" + "))}
-    explained = a["failing_unexplained"] == 0 and not a["max_paired_ratio"] > 1
+    explained = a["failing_unexplained"] == 0 and a["paired_classification"] == "rounding"
     values = dict(mismatched=a["mismatched_collectives"], mismatched_steps=a["mismatched_steps"],
                   steps=a["steps"], pairs=pairs or "none", combined=a["combined"],
                   paired_results=a["paired_results"], max_paired_ratio=a["max_paired_ratio"],
+                  paired_classification=a["paired_classification"],
+                  paired_evidence=a["paired_evidence"] or "none",
                   explained=a["failed"] - a["failing_unexplained"], failed=a["failed"],
                   failing_variables=a["failing_variables"] or "none",
                   ranks_disagree=a["ranks_disagree"], agree_checks=a["agree_checks"])
     template = ("the ledger flags {mismatched} collectives in {mismatched_steps} of {steps} steps: "
-                "{pairs}; each of the {paired_results} results of those collectives is the sum of "
-                "exactly the tensors the ledger paired, within the rounding bound (largest error / bound "
-                "against that sum {max_paired_ratio:.7g}); {explained} of the {failed} failing results "
+                "{pairs}; measured as the sum of exactly the tensors the ledger paired, the "
+                "{paired_results} results of those collectives are '{paired_classification}' "
+                "({paired_evidence} evidence; largest error / bound against that sum "
+                "{max_paired_ratio:.7g}); {explained} of the {failed} failing results "
                 "are explained so; failing variables {failing_variables}; the towers end up holding "
                 "different results in {ranks_disagree} of {agree_checks} steps × variables"
                 if pairs else "the ledger found no mispaired collective")
@@ -169,7 +200,8 @@ def _race(r: dict, world_size: int) -> Finding:
     values = dict(triggered=r["triggered"], writes=r["writes"], triggered_failed=r["triggered_failed"],
                   others=r["writes"] - r["triggered"], untriggered_failed=r["untriggered_failed"],
                   min_ratio=r["min_failing_ratio"], max_ratio=r["max_ratio"],
-                  classification=r["classification"], mismatched=r["mismatched_collectives"],
+                  classification=r["classification"], evidence=r["evidence"] or "none",
+                  mismatched=r["mismatched_collectives"],
                   exact=exact, failed=r["failed"], k=k, offset=k * WEIGHT_DECAY,
                   same_everywhere=r["agree_checks"] - r["ranks_disagree"], agree_checks=r["agree_checks"])
     ok = (r["triggered"] > 0 and r["triggered_failed"] == r["triggered"]
@@ -179,7 +211,8 @@ def _race(r: dict, world_size: int) -> Finding:
                 + (" (the race did not trigger in this run)" if r["triggered"] == 0 else "")
                 + "; {triggered_failed} of those fail the report's check"
                 + (" ({untriggered_failed} of the {others} others)" if values["others"] else "")
-                + "; error {min_ratio} to {max_ratio} times the rounding bound ('{classification}'); the "
+                + "; error {min_ratio} to {max_ratio} times the rounding bound ('{classification}', "
+                "{evidence} evidence); the "
                 "ledger found {mismatched} mispaired collectives; {exact} of {failed} failing results are "
                 "short by exactly {offset:.3g} at every element (1e-3 per other tower: their weight-decay "
                 "gradients); every tower holds the same wrong value in {same_everywhere} of "
@@ -230,8 +263,8 @@ def _signature(a: dict | None, r: dict | None, world_size: int) -> Finding:
 
 def verdict(records, params: dict) -> Verdict:
     """kind "bug" when a mode's results are "not rounding" (as_ready and race with the defaults),
-    "rounding" when every mode run stays within the rounding bound, "undetermined" when nothing
-    was measured."""
+    "rounding" when every result of every mode run is rounding (on the referee's strongest
+    evidence: bitwise equality with gloo's emulated ring, else the bound), else "undetermined"."""
     facts = {m: mode_facts(records, m) for m in modes_run(records)}
     f, a, r = (facts.get(m) for m in MODES)
     w = params["world_size"]
@@ -247,12 +280,18 @@ def verdict(records, params: dict) -> Verdict:
     parts = []
     if f:
         values.update(fixed_results=f["results"], fixed_within=f["results"] - f["outside_bound"],
-                      fixed_failed=f["failed"], fixed_max_ratio=f["max_ratio"])
-        parts.append("with one agreed order (fixed) all {fixed_results} results pass the report's check "
-                     "and stay within the rounding bound" if f["failed"] == 0 and
-                     f["classification"] == "rounding" else
-                     "with one agreed order (fixed) {fixed_failed} of {fixed_results} results fail the "
-                     "report's check (largest error / bound {fixed_max_ratio:.7g})")
+                      fixed_rounding=f["rounding"], fixed_failed=f["failed"],
+                      fixed_max_ratio=f["max_ratio"], fixed_classification=f["classification"],
+                      fixed_evidence=f["evidence"] or "none", fixed_matches=f["matches_order"])
+        if f["failed"] == 0 and f["classification"] == "rounding":
+            parts.append("with one agreed order (fixed) all {fixed_results} results pass the report's "
+                         "check and are rounding, " + (
+                             "bit for bit what gloo's ring gives" if f["evidence"] == "bitwise" else
+                             "within the rounding bound (the bound is the evidence)"))
+        else:
+            parts.append("with one agreed order (fixed) {fixed_failed} of {fixed_results} results fail "
+                         "the report's check and {fixed_rounding} are rounding ('{fixed_classification}', "
+                         "{fixed_evidence} evidence; largest error / bound {fixed_max_ratio:.7g})")
     if a and a["failed"]:
         values.update(as_ready_first=a["first_failing_step"], as_ready_min_ratio=a["min_failing_ratio"],
                       as_ready_max_ratio=a["max_ratio"],
@@ -269,7 +308,8 @@ def verdict(records, params: dict) -> Verdict:
                      + (" — {race_report} results print the report's {report:.9g}"
                         if r["report_number"] else ""))
     bugs = [m for m, x in facts.items() if x["classification"] == "not rounding"]
-    kind = "bug" if bugs else "rounding" if facts else "undetermined"
+    rounding = facts and all(x["classification"] == "rounding" for x in facts.values())
+    kind = "bug" if bugs else "rounding" if rounding else "undetermined"
     summary = {"bug": "A real bug, not rounding: ", "rounding": "Rounding only: "}.get(kind, "")
     summary += "; ".join(parts) + "." if parts else "Nothing was measured."
     failed = [fi.key for fi in findings if fi.holds is False]
@@ -278,8 +318,8 @@ def verdict(records, params: dict) -> Verdict:
         summary += " Not every expected finding holds: {not_holding} (read their evidence)."
     key_numbers = {}
     if f:
-        key_numbers.update({"fixed: results within the rounding bound": "fixed_within",
-                            "fixed: results checked": "fixed_results"})
+        key_numbers.update({"fixed: results that are rounding": "fixed_rounding",
+                            "fixed: evidence (bitwise: equal to gloo's emulated ring)": "fixed_evidence"})
     if "pairs" in values:
         key_numbers.update({"as_ready: smallest failing error / rounding bound": "as_ready_min_ratio",
                             "as_ready: what the ledger says was summed": "pairs"})

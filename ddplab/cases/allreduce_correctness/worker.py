@@ -38,8 +38,9 @@ BOUND_ORDER = "gloo_ring"
 #: about 1e-7 of 1e-3; a mispaired gradient varies from element to element
 #: by far more).
 SIGNATURE_RTOL = 1e-3
-#: What each reduction records of :func:`ddplab.numerics.measure`'s answer.
-MEASURED = ("max_abs_error", "max_bound_ratio", "within_bound")
+#: What each reduction records of :func:`ddplab.numerics.measure`'s answer (labelled with its
+#: ``verdict`` and ``evidence``: bitwise equality with the emulated ring, else the bound).
+MEASURED = ("max_abs_error", "max_bound_ratio", "within_bound", "frac_matches_order")
 #: Longest wait for gloo to finish a race-mode collective before writing anyway.
 RACE_POLL_SECONDS = 5.0
 #: Full-size channel counts of the report's network, scaled by ``width``.
@@ -291,15 +292,16 @@ def measure_step(model: Tower, local: dict, report, step: int, tolerance: float)
         emit("report_check_pass", int(bool((diff < tolerance).all())), **labels)
         m = measure(reduced, contributions, BOUND_ORDER)
         for metric in MEASURED:
-            emit(metric, m[metric], **labels)
+            emit(metric, m[metric], **labels, verdict=m["classification"], evidence=m["evidence"])
         emit("rounding_bound", float(rounding_bound(contributions, BOUND_ORDER).max()), **labels)
         emit("constant_offset_wd", offset_in_weight_decays(add_n, reduced), **labels)
         paired = pairs.get((rank, name), {})
         if paired and any(label != name for label in paired.values()):
             # Mispaired: is the result exactly the sum of what the ledger says was combined?
             combined = torch.stack([meant[paired.get(r, name)][r] for r in range(world)])
-            emit("paired_bound_ratio", measure(reduced, combined, BOUND_ORDER)["max_bound_ratio"],
-                 **labels, paired=" + ".join(f"{r}:{paired.get(r, name)}" for r in range(world)))
+            m = measure(reduced, combined, BOUND_ORDER)
+            emit("paired_bound_ratio", m["max_bound_ratio"], **labels, verdict=m["classification"],
+                 evidence=m["evidence"], paired=" + ".join(f"{r}:{paired.get(r, name)}" for r in range(world)))
 
 
 # --------------------------------------------------------------------------- inside a rank

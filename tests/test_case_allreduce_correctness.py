@@ -184,19 +184,19 @@ def test_verdict_on_a_real_run(small_run):
     fixed = v.finding("fixed_within_bound").values
     assert fixed["passed"] == results == v.values["fixed_within"] == v.values["fixed_rounding"]
     # "rounding" rests on the strongest evidence: every result is gloo's emulated ring, bit for bit
-    assert fixed["evidence"] == v.values["fixed_evidence"] == "bitwise" and fixed["matches"] == results
+    assert fixed["evidence"] == v.values["fixed_evidence"] == "bitwise" and fixed["matches_order"] == results
     assert v.values["fixed_max_ratio"] <= 1
     ready = v.finding("as_ready_not_rounding").values
-    assert ready["failing_variables"] == ["aaa/W", "bbb/W"] and ready["first_step"] == 0
-    assert ready["min_ratio"] >= 10 ** ready["decades"] and ready["classification"] == "not rounding"
+    assert ready["failing_variables"] == ["aaa/W", "bbb/W"] and ready["first_failing_step"] == 0
+    assert ready["min_failing_ratio"] >= 10 ** ready["decades"] and ready["classification"] == "not rounding"
     mispaired = v.finding("as_ready_mispaired").values
     assert mispaired["pairs"] == ["rank 0's aaa/W with rank 1's bbb/W", "rank 0's bbb/W with rank 1's aaa/W"]
-    assert mispaired["mismatched"] == 6 and mispaired["explained"] == mispaired["failed"] > 0
+    assert mispaired["mismatched_collectives"] == 6 and mispaired["explained"] == mispaired["failed"] > 0
     # each mispaired result is bit for bit gloo's ring over exactly the tensors the ledger paired
     assert (mispaired["paired_classification"], mispaired["paired_evidence"]) == ("rounding", "bitwise")
     race = v.finding("race_not_rounding").values
     assert race["triggered"] == race["writes"] == results and race["exact"] == race["failed"] == results
-    assert race["offset"] == pytest.approx(1e-3) and race["mismatched"] == 0
+    assert race["offset"] == pytest.approx(1e-3) and race["mismatched_collectives"] == 0
     assert race["classification"] == "not rounding"
     signature = v.finding("report_signature").values
     assert signature["report"] == REPORT_MAX_DIFF and signature["as_ready_constant"] == 0
@@ -239,7 +239,7 @@ def test_verdict_rule_on_planted_faults(small_run):
     bad.loc[fixed & judged, "verdict"] = "not rounding"
     v = case.verdict(bad, params)
     assert not v.holds("fixed_within_bound") and v.holds("as_ready_not_rounding")
-    assert v.finding("fixed_within_bound").values["outside"] == 1
+    assert v.finding("fixed_within_bound").values["outside_bound"] == 1
     assert v.values["not_holding"] == ["fixed_within_bound"]
     # The race did not trigger (every write before gloo ran) and every result passed.
     quiet = records.copy()
@@ -273,8 +273,8 @@ def test_verdict_rule_on_planted_faults(small_run):
     subtle.loc[one & (subtle["metric"] == "frac_matches_order"), "value"] = 0.99
     v = case.verdict(_only_fixed(subtle), only_fixed)
     assert v.kind == "bug" and not v.holds("fixed_within_bound")
-    assert v.finding("fixed_within_bound").values["outside"] == 0
-    assert v.finding("fixed_within_bound").values["matches"] == 3 * len(w.VARIABLES) - 1
+    assert v.finding("fixed_within_bound").values["outside_bound"] == 0
+    assert v.finding("fixed_within_bound").values["matches_order"] == 3 * len(w.VARIABLES) - 1
     # Where no bit-exact model applies the bound is the evidence, and the verdict says so.
     bounded = records.copy()
     bounded.loc[judged, "evidence"] = "bound"

@@ -26,7 +26,7 @@ def summary_table(records, params: dict | None = None):
     for mode in modes_run(records):
         f = mode_facts(records, mode)
         offsets = ", ".join(f"{k}×1e-3: {n}" if k else f"not constant: {n}"
-                            for k, n in sorted(f["offsets"].items()))
+                            for k, n in f["offsets"])
         rows.append({
             "mode": mode,
             "results checked": f["results"],
@@ -108,6 +108,17 @@ def _variable_lines(ax, data, mode: str, floor: float) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def _finish(fig, axes: dict, ax, ylabel: str, title: str):
+    next(iter(axes.values())).set_ylabel(ylabel)
+    if ax is not None:  # one panel in someone else's figure: its own legend, no title
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+        return fig
+    legend_outside(fig)
+    fig.suptitle(title, y=1.02)
+    fig.tight_layout()
+    return fig
+
+
 def plot_errors_vs_bound(records, params: dict, ax=None):
     """Max error per variable per step (log), the rounding bound, the report's tolerance and 1e-3.
 
@@ -128,15 +139,8 @@ def plot_errors_vs_bound(records, params: dict, ax=None):
         panel.axhline(WEIGHT_DECAY, color="tab:red", ls="-.", lw=0.9, alpha=0.6,
                       label="1e-3: one weight-decay gradient")
         draw_zero_floor(panel, floor, "exact zero")
-    first = next(iter(axes.values()))
-    first.set_ylabel("max |reduced − exact sum|")
-    if ax is None:
-        legend_outside(fig)
-        fig.suptitle("Largest error per variable and step, against the rounding bound", y=1.02)
-        fig.tight_layout()
-    else:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    return fig
+    return _finish(fig, axes, ax, "max |reduced − exact sum|",
+                   "Largest error per variable and step, against the rounding bound")
 
 
 def plot_bound_ratio(records, params: dict, ax=None):
@@ -148,14 +152,8 @@ def plot_bound_ratio(records, params: dict, ax=None):
         panel.axhline(1.0, color="black", ls="--", lw=1.2, label="1: what rounding can explain")
         panel.axhspan(floor, 1.0, color="tab:green", alpha=0.06)
         draw_zero_floor(panel, floor, "exact zero")
-    next(iter(axes.values())).set_ylabel("error / rounding bound")
-    if ax is None:
-        legend_outside(fig)
-        fig.suptitle("Error in multiples of the rounding bound (≤ 1: rounding; above: a bug)", y=1.02)
-        fig.tight_layout()
-    else:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    return fig
+    return _finish(fig, axes, ax, "error / rounding bound",
+                   "Error in multiples of the rounding bound (≤ 1: rounding can explain it)")
 
 
 def _pairing_panel(ax, table, mode: str) -> None:

@@ -4,6 +4,7 @@
 * :mod:`~ddplab.numerics.contributions` — W per-rank inputs, stored or generated;
 * :mod:`~ddplab.numerics.exact` — correctly rounded sums and means (the reference);
 * :mod:`~ddplab.numerics.orders` — sequential, pairwise, gloo ring, NCCL ring/tree, bit for bit;
+* :mod:`~ddplab.numerics.reduce_scatter` — the same for reduce-scatter, and FSDP2's divide factors;
 * :mod:`~ddplab.numerics.ulp` — signed ulp distances;
 * :mod:`~ddplab.numerics.bounds` — γ_d·Σ|x_r| and the rounding / not-rounding verdict;
 * :mod:`~ddplab.numerics.accuracy` — one call to measure a result, tidy records of it;
@@ -22,6 +23,8 @@ from ddplab.numerics.fpformat import SUPPORTED_DTYPES, FloatFormat, float_format
 from ddplab.numerics.orders import (AVERAGING, GLOO_MAX_SEGMENT_BYTES, ORDERS, default_averaging,
                                     gloo_ring_segments, nccl_double_binary_tree, nccl_ring_chunks,
                                     order_depth, order_options, reduce, reduction_pieces)
+from ddplab.numerics.reduce_scatter import (REDUCE_SCATTER_ORDERS, FSDPReduction, fsdp_reduction,
+                                            reduce_scatter, reduce_scatter_pieces, shard_range)
 from ddplab.numerics.ulp import ordered_int, ulp, ulp_distance
 
 __all__ = [
@@ -35,6 +38,9 @@ __all__ = [
     "ORDERS", "AVERAGING", "GLOO_MAX_SEGMENT_BYTES", "reduce", "order_depth", "order_options",
     "default_averaging", "gloo_ring_segments", "nccl_ring_chunks", "nccl_double_binary_tree",
     "reduction_pieces",
+    # reduce-scatter
+    "REDUCE_SCATTER_ORDERS", "reduce_scatter", "reduce_scatter_pieces", "shard_range",
+    "FSDPReduction", "fsdp_reduction",
     # ulps, bounds, accuracy
     "ordered_int", "ulp", "ulp_distance",
     "gamma", "abs_sum", "rounding_bound", "pair_bound", "classify", "Classification",

@@ -76,6 +76,15 @@ def test_one_shard_is_that_slice_of_all_shards(order):
         assert bits_equal(reduce_scatter(x, order, op="avg", shard=r), full[a:b])
 
 
+@pytest.mark.parametrize("order", ["gloo_ring", "nccl_ring", "exact"])
+def test_shard_only_takes_just_that_shards_columns(order):
+    x = data(4, 300_001 // 4 + 1, torch.float32)       # over 1 MiB: gloo segments cross shards
+    for r in range(4):
+        a, b = shard_range(x.shape[1], 4, r)
+        assert bits_equal(reduce_scatter(x[:, a:b], order, op="avg", shard=r, shard_only=True),
+                          reduce_scatter(x, order, op="avg", shard=r))
+
+
 @pytest.mark.parametrize("kind", ["rows", "slices"])
 @pytest.mark.parametrize("order", ["gloo_ring", "nccl_ring", "exact"])
 def test_callables_give_the_tensor_result(kind, order):
@@ -139,6 +148,7 @@ def test_exact_is_the_correctly_rounded_value_of_the_ideal_result():
     (lambda x: reduce_scatter(x, "gloo_ring", pre_divide=0), "positive"),
     (lambda x: reduce_scatter(x, "gloo_ring", pre_divide=2, premul=0.5), "give one"),
     (lambda x: reduce_scatter(x, "gloo_ring", shard=4), "outside"),
+    (lambda x: reduce_scatter(x, "gloo_ring", shard_only=True), "needs shard"),
     (lambda x: reduce_scatter(x, "nccl_ring", ring=[0, 1, 1, 2]), "ring must list"),
     (lambda x: reduce_scatter(x, "gloo_ring", op="max"), "op must be"),
 ])

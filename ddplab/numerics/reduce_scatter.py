@@ -69,6 +69,9 @@ __all__ = [
 
 REDUCE_SCATTER_ORDERS = ("sequential", "reverse", "pairwise", "gloo_ring", "nccl_ring", "exact")
 
+# Beyond this many pieces, stored contributions are streamed by rows (see reduce_scatter).
+_MAX_BLOCKED_PIECES = 256
+
 # Options each order takes here (nccl_ring's channels and chunk sizes do not change
 # a reduce-scatter's order, so only the ring is an option).
 _OPTIONS = {
@@ -192,12 +195,15 @@ def _exact(c, op, pre_divide, post_divide, premul, dtype):
 
 def reduce_scatter(contributions, order: str = "gloo_ring", *, op: str = "sum", averaging: str | None = None,
                    accumulate=None, pre_divide: float | None = None, post_divide: float | None = None,
-                   premul: float | None = None, shard: int | None = None, **options) -> torch.Tensor:
+                   premul: float | None = None, shard: int | None = None, shard_only: bool = False,
+                   **options) -> torch.Tensor:
     """Reduce-scatter W contributions in ``order``, rounding exactly where that backend rounds.
 
     Returns the N-element concatenation of the W shards (shard r at
     ``shard_range(N, W, r)`` is what rank r receives), or only shard
-    ``shard`` (n elements, computing nothing else). ``op``, ``averaging``
+    ``shard`` (n elements, computing nothing else; with ``shard_only=True``
+    the contributions hold only that shard's ``[W, n]`` columns, what an
+    all_to_all brings rank ``shard``). ``op``, ``averaging``
     and ``accumulate`` as in :func:`ddplab.numerics.reduce`; ``pre_divide``,
     ``post_divide`` (FSDP2's divide factors, each one rounding in the data's
     dtype, before and after the collective) and ``premul`` (PREMUL_SUM's
@@ -215,13 +221,16 @@ def reduce_scatter(contributions, order: str = "gloo_ring", *, op: str = "sum", 
     dtype = parse_dtype(c.dtype)
     w = c.world_size
     opts = _check_options(order, w, options)
-    start, stop = (0, c.numel) if shard is None else shard_range(c.numel, w, shard)
-    shard_range(c.numel, w, 0)
+    if shard_only and shard is None:
+        raise ValueError("shard_only=True needs shard=r: the rank whose shard the contributions hold")
+    numel = c.numel * w if shard_only else c.numel
+    start, stop = (0, numel) if shard is None else shard_range(numel, w, shard)
+    shard_range(numel, w, 0)
     _check_scaling(op, averaging, pre_divide, post_divide, premul)
     if op == "avg" and order != "exact":
         averaging = averaging or default_averaging(order)
     arith = _arithmetic(dtype, order, op, averaging, accumulate, w)
-    part = _columns(c, start, stop)
+    part = c if shard_only else _columns(c, start, stop)
     if order == "exact":
         return _exact(part, op, pre_divide, post_divide, premul, dtype)
     if premul is not None:
@@ -233,7 +242,13 @@ def reduce_scatter(contributions, order: str = "gloo_ring", *, op: str = "sum", 
         else:   # FSDP divides the reduce-dtype buffer before a wider reduction sees it
             part = part.map(lambda x: x.div(pre_divide))
     element_size = torch.empty((), dtype=dtype).element_size()
-    pieces = _clip(reduce_scatter_pieces(order, c.numel, w, element_size, **opts), start, stop)
+    pieces = _clip(reduce_scatter_pieces(order, numel, w, element_size, **opts), start, stop)
+    if part.kind == "tensor" and len(pieces) > _MAX_BLOCKED_PIECES:
+        # Many short pieces (W shards or segments of a few elements): column blocks would
+        # cost one tiny op per piece and rank; streaming rows merges neighbouring pieces
+        # at the same step into one op per rank.
+        rows = part.materialize()
+        part = as_contributions(lambda r: rows[r], w, kind="rows", numel=rows.shape[1], dtype=rows.dtype)
     out = run(part, pieces, arith) if pieces else torch.empty(0, dtype=dtype)
     if post_divide is not None and post_divide != 1:
         out.div_(post_divide)

@@ -49,6 +49,7 @@ from ddplab.numerics.reduce_scatter import REDUCE_SCATTER_ORDERS, reduce_scatter
 __all__ = [
     "fsdp_groups",
     "reduce_scatter_args",
+    "reduce_op_name",
     "FSDPState",
     "FSDPAlarm",
     "AuditReduceScatter",
@@ -85,7 +86,8 @@ def reduce_scatter_args(op, order: str) -> dict:
     raise ValueError(f"FSDP2 reduces gradients with AVG, SUM or PREMUL_SUM, not {op}")
 
 
-def _op_name(op) -> str:
+def reduce_op_name(op) -> str:
+    """"avg", "sum" or "premul_sum" for the ReduceOp FSDP passes (its label in the records)."""
     kind = getattr(op, "op", op)
     return {dist.ReduceOp.AVG: "avg", dist.ReduceOp.SUM: "sum", dist.ReduceOp.PREMUL_SUM: "premul_sum"}.get(kind, str(kind))
 
@@ -156,7 +158,7 @@ class _Comm(ReduceScatter):
 
     def _labels(self, group: dist.ProcessGroup, op, dtype: torch.dtype) -> dict:
         return dict(group=self.group_name, params=self.params, collective="reduce_scatter",
-                    reduce_op=_op_name(op), reduce_dtype=float_format(dtype).name, **self.state.labels)
+                    reduce_op=reduce_op_name(op), reduce_dtype=float_format(dtype).name, **self.state.labels)
 
 
 def _shard_contributions(input: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -179,27 +181,41 @@ class AuditReduceScatter(_Comm):
     itself), then runs the live collective (``live``, default FSDP's own
     ``reduce_scatter_single``) and
 
-    * emits ``matches_order``: the fraction of the shard's elements bitwise
-      equal to what ``order`` computes from the contributions (gloo's order
-      for a gloo group: 1.0 unless something other than rounding happened);
-    * emits the referee's records (:func:`ddplab.numerics.error_records`:
-      ulps, absolute and RMS error, multiples of the rigorous and of the
-      probabilistic bound, ``classification`` and ``evidence``), with the
-      emulated shard as ``expected`` and ``bitwise=True`` when ``order``
-      is the backend's own, bit-exact order (``bitwise=True`` also for an
-      order ``live`` itself emulates, e.g. :class:`OrderReduceScatter`'s).
+    * every rank emits ``matches_order``: the fraction of its shard's
+      elements bitwise equal to what ``order`` computes from the
+      contributions (gloo's order for a gloo group: 1.0 unless something
+      other than rounding happened), labelled with ``verdict`` and
+      ``evidence`` when that comparison decides alone (a bit-exact order,
+      every bit equal: "rounding", "bitwise");
+    * the referee's records (:func:`ddplab.numerics.error_records`: ulps,
+      absolute and RMS error, multiples of the rigorous and of the
+      probabilistic bound, ``verdict`` and ``evidence``), with the emulated
+      shard as ``expected`` and ``bitwise=True`` when ``order`` is the
+      backend's own, bit-exact order (``bitwise=True`` also for an order
+      ``live`` itself emulates, e.g. :class:`OrderReduceScatter`'s), come
+      from one rank per group and step in rotation (``reason="rotation"``),
+      from every rank whose shard differs from the order's
+      (``reason="differs_from_order"``) and, without a bit-exact order,
+      from every rank (``reason="no_bitwise_order"``); ``every_rank=True``
+      measures every shard in full (``reason="every_rank"``).
+
+    Why not every rank in full by default: a shard equal bit for bit to a
+    bit-exact order is rounding, and that comparison is cheap; the full
+    measurement (exact reference, bounds) is most of the audit's cost, so
+    one shard per collective carries the numbers and any other shard that
+    departs from the order is measured by its own rank.
 
     Every record carries ``step``, ``rank``, ``bucket`` (the group's index),
     and the labels ``group`` (the FSDP module's name), ``params``,
     ``collective``, ``reduce_op`` ("avg", "sum", "premul_sum"),
-    ``reduce_dtype``, ``order`` plus the state's labels. A classification
-    of "not rounding" is also kept in ``state.alarms`` (and raised as
+    ``reduce_dtype``, ``order`` plus the state's labels. A verdict of "not
+    rounding" is also kept in ``state.alarms`` (and raised as
     :class:`FSDPAlarm` with ``raise_on_alarm``).
     """
 
     def __init__(self, state: FSDPState, group_index: int = 0, group_name: str = "", params: list[str] = (),
                  *, audit_every: int = 1, order: str | None = None, live: LiveReduceScatter | None = None,
-                 bitwise: bool | None = None, raise_on_alarm: bool = False):
+                 bitwise: bool | None = None, every_rank: bool = False, raise_on_alarm: bool = False):
         if isinstance(audit_every, bool) or not isinstance(audit_every, int) or audit_every < 1:
             raise ValueError(f"audit_every must be an int >= 1, got {audit_every!r}")
         if order is not None and order not in REDUCE_SCATTER_ORDERS:
@@ -212,6 +228,7 @@ class AuditReduceScatter(_Comm):
         self.order = order
         self.live = live or _live_reduce_scatter
         self.bitwise = bitwise
+        self.every_rank = every_rank
         self.raise_on_alarm = raise_on_alarm
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -234,11 +251,25 @@ class AuditReduceScatter(_Comm):
         mine = shard.detach().cpu()
         contributions = contributions.cpu()
         labels = self._labels(group, op, mine.dtype)
+        # The backend's own order is emulated bit for bit; NCCL's live order only as a model.
+        bitwise = (order == backend_order and order in _orders.BIT_EXACT_ORDERS) if self.bitwise is None \
+            else self.bitwise
         with _rank_threads():
             expected = reduce_scatter(contributions, order, shard=rank, shard_only=True, **args)
             matches = float((_bits(mine) == _bits(expected)).to(torch.float64).mean()) if mine.numel() else 1.0
+            decided = dict(verdict="rounding", evidence="bitwise") if bitwise and matches == 1.0 else {}
             _records.emit("matches_order", matches, step=step, bucket=self.group_index, rank=rank,
-                          order=order, **labels)
+                          order=order, **decided, **labels)
+            if self.every_rank:
+                labels["reason"] = "every_rank"
+            elif not bitwise:
+                labels["reason"] = "no_bitwise_order"
+            elif matches < 1.0:
+                labels["reason"] = "differs_from_order"
+            elif (step + self.group_index) % world == rank:
+                labels["reason"] = "rotation"
+            else:
+                return
             if "premul" in args:
                 # PREMUL_SUM's products RN(x * f) are what the ring adds: measure the additions
                 # on them (the products' own rounding, < u each, is outside this measurement).
@@ -247,9 +278,7 @@ class AuditReduceScatter(_Comm):
                 labels["measured_on"] = "premultiplied contributions"
             recs = _accuracy.error_records(
                 mine, contributions, order, op=args["op"], averaging=args.get("averaging"), expected=expected,
-                # The backend's own order is emulated bit for bit; NCCL's live order only as a model.
-                bitwise=(order == backend_order and order in _orders.BIT_EXACT_ORDERS) if self.bitwise is None
-                else self.bitwise,
+                bitwise=bitwise,
                 step=step, rank=rank, bucket=self.group_index, **labels)
         for rec in recs:
             fields = {k: v for k, v in rec.items() if k not in _records.RECORD_COLUMNS}
@@ -352,7 +381,7 @@ def _attach(model: torch.nn.Module, make: Callable[[int, str, list[str]], _Comm]
 
 
 def attach_audit(model: torch.nn.Module, *, audit_every: int = 1, order: str | None = None,
-                 live: LiveReduceScatter | None = None, bitwise: bool | None = None,
+                 live: LiveReduceScatter | None = None, bitwise: bool | None = None, every_rank: bool = False,
                  raise_on_alarm: bool = False, labels: Mapping[str, Any] | None = None) -> FSDPState:
     """Audit every reduce-scatter of every parameter group of an FSDP2 model; return the shared state.
 
@@ -362,7 +391,9 @@ def attach_audit(model: torch.nn.Module, *, audit_every: int = 1, order: str | N
     collective still computes the gradients); the records stream to the
     launcher like any other. ``order`` is the order the shards are expected
     to follow (default the backend's: gloo's ring for gloo, NCCL's ring for
-    NCCL); ``live`` replaces the collective (a fault to plant, another comm).
+    NCCL); ``live`` replaces the collective (a fault to plant, another comm);
+    ``every_rank=True`` measures every shard in full, not one per collective
+    (see :class:`AuditReduceScatter`).
 
     Example::
         >>> model = fully_shard(build())          # after fully_shard on the layers
@@ -372,7 +403,7 @@ def attach_audit(model: torch.nn.Module, *, audit_every: int = 1, order: str | N
     state = FSDPState(labels)
     return _attach(model, lambda i, n, p: AuditReduceScatter(
         state, i, n, p, audit_every=audit_every, order=order, live=live, bitwise=bitwise,
-        raise_on_alarm=raise_on_alarm), state)
+        every_rank=every_rank, raise_on_alarm=raise_on_alarm), state)
 
 
 def attach_order(model: torch.nn.Module, order: str = "nccl_ring", *, averaging: str | None = None,

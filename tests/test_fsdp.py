@@ -68,7 +68,7 @@ def recording_live(calls: list, groups: int, config: str, fault=None):
         if fault is not None:
             fault(output)
         calls.append(dict(config=config, step=len([c for c in calls if c["config"] == config]) // groups,
-                          input=taken, output=output.clone(), op=fsdp._op_name(op)))
+                          input=taken, output=output.clone(), op=fsdp.reduce_op_name(op)))
     return live
 
 
@@ -119,14 +119,19 @@ def check_against_independent_computation(returns, records):
         assert op == fsdp_reduction(x.dtype, WORLD).op, (name, op)            # AVG, or SUM for float16
         averaging = "sum_then_divide" if op == "avg" else None
         everything = reduce(x, "gloo_ring", op=op, averaging=averaging)       # the all-reduce, not the reduce-scatter
+        measured = 0
         for r in range(WORLD):
             a, b = shard_range(x.shape[1], WORLD, r)
-            shard = returns[r][0][k]["output"]
-            mine = where(records, "numel", config=name, rank=r, step=step)
-            bucket = int(mine[mine["value"] == b - a]["bucket"].iloc[0])
+            full = where(records, "numel", config=name, rank=r, step=step)
+            full = full[full["value"] == b - a]
+            if full.empty:     # not this rank's turn: its bitwise comparison decided
+                continue
+            measured += 1
+            bucket = int(full["bucket"].iloc[0])
+            assert (step + bucket) % WORLD == r and full["reason"].iloc[0] == "rotation"
             audit = where(records, list(records["metric"].unique()), config=name, rank=r, step=step)
             audit = audit[audit["bucket"] == bucket]
-            ours = error_records(shard, x[:, a:b], "gloo_ring", op=op, averaging=averaging,
+            ours = error_records(returns[r][0][k]["output"], x[:, a:b], "gloo_ring", op=op, averaging=averaging,
                                  expected=everything[a:b], bitwise=True)
             assert ours[0]["verdict"] == "rounding" and ours[0]["evidence"] == "bitwise"
             for rec in ours:
@@ -135,21 +140,25 @@ def check_against_independent_computation(returns, records):
                 assert same_value(float(row["value"].iloc[0]), rec["value"]), (name, step, r, rec["metric"])
                 assert row["verdict"].iloc[0] == rec["verdict"] and row["evidence"].iloc[0] == rec["evidence"]
             matches = audit[audit["metric"] == "matches_order"]
-            assert float(matches["value"].iloc[0]) == 1.0
             assert matches["reduce_op"].iloc[0] == op
             assert matches["reduce_dtype"].iloc[0] == float_format(x.dtype).name
+        assert measured == 1, (name, step, k)          # one shard of each collective in full
+    matches = where(records, "matches_order")
+    assert (matches["value"] == 1.0).all() and set(matches["verdict"]) == {"rounding"}
+    assert set(matches["evidence"]) == {"bitwise"}
 
 
 def test_audit_tags_every_group_and_counts_steps_per_backward(audited, configs=DEFAULT_CONFIGS):
     _, records = audited
-    numel = where(records, "numel")
+    matches, numel = where(records, "matches_order"), where(records, "numel")
     for name in configs:
-        rows = numel[numel["config"] == name]
+        rows = matches[matches["config"] == name]
         assert sorted(rows["step"].unique()) == list(range(STEPS))
         assert set(rows["group"]) == {"0", "<root>"}
         assert set(rows[rows["group"] == "0"]["params"]) == {"0.weight,0.bias"}
         assert set(rows[rows["group"] == "<root>"]["params"]) == {"2.weight,2.bias"}
         assert len(rows) == STEPS * 2 * WORLD        # each step, each group, each rank: once
+        assert len(numel[numel["config"] == name]) == STEPS * 2     # in full: one rank per collective
 
 
 def test_audit_leaves_training_bitwise_unchanged(audited):
@@ -175,9 +184,11 @@ def faulty_run(raise_on_alarm):
 def test_planted_one_ulp_fault_in_one_shard_is_not_rounding(warm_launcher):
     res = warm_launcher(faulty_run, world_size=WORLD, args=(False,), timeout=120)
     verdicts = where(res.records, "numel")
-    assert set(verdicts[verdicts["rank"] == 1]["verdict"]) == {"not rounding"}
-    assert set(verdicts[verdicts["rank"] == 1]["evidence"]) == {"bitwise"}
+    faulty = verdicts[verdicts["rank"] == 1]
+    assert len(faulty) == 2 and set(faulty["reason"]) == {"differs_from_order"}     # both groups' shards
+    assert set(faulty["verdict"]) == {"not rounding"} and set(faulty["evidence"]) == {"bitwise"}
     assert set(verdicts[verdicts["rank"] != 1]["verdict"]) == {"rounding"}
+    assert set(where(res.records, "matches_order", rank=0)["verdict"]) == {"rounding"}
     # One element in each of rank 1's shards: bitwise evidence catches what the bound cannot.
     differs = where(res.records, "differs_count", rank=1)
     assert set(differs["value"]) == {1.0}
@@ -205,7 +216,7 @@ class Recording(ReduceScatter):
         taken = input_tensor.clone()
         self.inner(output_tensor, input_tensor, group, op)
         self.calls.append(dict(config=self.config, input=taken, output=output_tensor.clone(),
-                               op=fsdp._op_name(op)))
+                               op=fsdp.reduce_op_name(op)))
 
 
 def order_runs():

@@ -161,12 +161,16 @@ class _Comm(ReduceScatter):
                     reduce_op=reduce_op_name(op), reduce_dtype=float_format(dtype).name, **self.state.labels)
 
 
-def _shard_contributions(input: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``[W, n]``: every rank's elements of this rank's shard (one all_to_all, N elements each way)."""
+def _shard_contributions(input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
+    """``[W, n]``: every rank's elements of this rank's shard (one all_to_all, N elements each way).
+
+    With ``async_op=True`` returns ``(contributions, work)``, valid once ``work`` completes.
+    """
     world = dist.get_world_size(group)
     out = torch.empty_like(input)
-    dist.all_to_all_single(out, input.contiguous(), group=group)
-    return out.view(world, input.numel() // world)
+    work = dist.all_to_all_single(out, input.contiguous(), group=group, async_op=async_op)
+    contributions = out.view(world, input.numel() // world)
+    return (contributions, work) if async_op else contributions
 
 
 # --------------------------------------------------------------------------- audit
@@ -179,7 +183,7 @@ class AuditReduceScatter(_Comm):
     all_to_all-s every rank's part of this rank's shard (the contributions
     ``[W, n]``; N elements of traffic per rank, as the reduce-scatter
     itself), then runs the live collective (``live``, default FSDP's own
-    ``reduce_scatter_single``) and
+    ``reduce_scatter_single``; it must not write its input) and
 
     * every rank emits ``matches_order``: the fraction of its shard's
       elements bitwise equal to what ``order`` computes from the
@@ -237,8 +241,11 @@ class AuditReduceScatter(_Comm):
         if step % self.audit_every:
             self.live(output_tensor, input_tensor, group, op)
             return None
-        contributions = _shard_contributions(input_tensor, group)
+        # The all_to_all runs beside the live collective (gloo serves a group with two
+        # threads), so the audit adds little wall time for it; both only read the input.
+        contributions, work = _shard_contributions(input_tensor, group, async_op=True)
         self.live(output_tensor, input_tensor, group, op)
+        work.wait()
         self._measure(output_tensor, contributions, group, op, step)
         return None
 

@@ -32,6 +32,7 @@ backward, so a group reducing a second time starts the next step.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Callable, Mapping
 
 import torch
@@ -120,9 +121,12 @@ class FSDPAlarm(RuntimeError):
 
 
 class FSDPState:
-    """What the comms of one model share: the step count, labels, and the alarms raised.
+    """What the comms of one model share: the step count, labels, alarms, and pending measurements.
 
-    ``labels`` are added to every record the comms emit.
+    ``labels`` are added to every record the comms emit. Full measurements
+    run in one background thread while the backward goes on, and are
+    finished (records emitted, alarms noted or raised) on the training thread
+    at the end of the backward that started them, or by :meth:`flush`.
     """
 
     def __init__(self, labels: Mapping[str, Any] | None = None):
@@ -134,6 +138,9 @@ class FSDPState:
         for key, value in self.labels.items():
             _records._check_label(key, value)
         self.alarms: list[dict] = []
+        self._pending: list[tuple[concurrent.futures.Future, Callable[[Any], None]]] = []
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._flush_queued = False
 
     def advance(self, group_index: int) -> int:
         """The step this group's reduce-scatter belongs to (a repeat starts the next step)."""
@@ -142,6 +149,45 @@ class FSDPState:
             self._reduced.clear()
         self._reduced.add(group_index)
         return self.step
+
+    def defer(self, work: Callable[[], Any], finish: Callable[[Any], None]) -> None:
+        """Run ``work()`` in the measuring thread; call ``finish(its result)`` here at the backward's end.
+
+        Why a thread: a measurement inline would hold back the next collective
+        for every rank; beside the backward it costs only CPU time.
+        """
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                   thread_name_prefix="ddplab-fsdp-audit")
+        threads = torch.get_num_threads()
+
+        def run():
+            torch.set_num_threads(threads)    # a new thread starts with the process default, not the rank's
+            return work()
+
+        self._pending.append((self._executor.submit(run), finish))
+        if self._flush_queued:
+            return
+        try:
+            # Runs after FSDP's own end-of-backward callback (queued at the root's pre-backward),
+            # so the root group's reduce-scatter is finished with the others.
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            self._flush_queued = True
+        except RuntimeError:                  # called outside a backward: finish now
+            self.flush()
+
+    def flush(self) -> None:
+        """Finish every pending measurement: emit its records, note its alarms; re-raise the first error."""
+        self._flush_queued = False
+        pending, self._pending = self._pending, []
+        error = None
+        for future, finish in pending:
+            try:
+                finish(future.result())
+            except Exception as exc:          # finish them all, then report the first
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 class _Comm(ReduceScatter):
@@ -202,6 +248,10 @@ class AuditReduceScatter(_Comm):
       (``reason="differs_from_order"``) and, without a bit-exact order,
       from every rank (``reason="no_bitwise_order"``); ``every_rank=True``
       measures every shard in full (``reason="every_rank"``).
+
+    The full measurements run in a background thread beside the rest of the
+    backward; their records arrive, and their alarms are noted, at the end
+    of that backward (``state.flush()`` finishes pending ones at any time).
 
     Why not every rank in full by default: a shard equal bit for bit to a
     bit-exact order is rounding, and that comparison is cheap; the full
@@ -277,16 +327,23 @@ class AuditReduceScatter(_Comm):
                 labels["reason"] = "rotation"
             else:
                 return
-            if "premul" in args:
-                # PREMUL_SUM's products RN(x * f) are what the ring adds: measure the additions
-                # on them (the products' own rounding, < u each, is outside this measurement).
-                scale = torch.tensor(args["premul"], dtype=torch.float64).to(contributions.dtype)
-                contributions = contributions * scale
-                labels["measured_on"] = "premultiplied contributions"
-            recs = _accuracy.error_records(
-                mine, contributions, order, op=args["op"], averaging=args.get("averaging"), expected=expected,
-                bitwise=bitwise,
-                step=step, rank=rank, bucket=self.group_index, **labels)
+        if "premul" in args:
+            # PREMUL_SUM's products RN(x * f) are what the ring adds: measure the additions
+            # on them (the products' own rounding, < u each, is outside this measurement).
+            scale = torch.tensor(args["premul"], dtype=torch.float64).to(contributions.dtype)
+            contributions = contributions * scale
+            labels["measured_on"] = "premultiplied contributions"
+        mine = mine.clone()    # FSDP divides its output in place after this call
+
+        def work() -> list[dict]:
+            with _rank_threads():
+                return _accuracy.error_records(
+                    mine, contributions, order, op=args["op"], averaging=args.get("averaging"),
+                    expected=expected, bitwise=bitwise, step=step, rank=rank, bucket=self.group_index, **labels)
+
+        self.state.defer(work, lambda recs: self._finish(recs, step, rank))
+
+    def _finish(self, recs: list[dict], step: int, rank: int) -> None:
         for rec in recs:
             fields = {k: v for k, v in rec.items() if k not in _records.RECORD_COLUMNS}
             _records.emit(rec["metric"], rec["value"], step=step, bucket=self.group_index, rank=rank, **fields)

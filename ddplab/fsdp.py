@@ -305,53 +305,56 @@ class AuditReduceScatter(_Comm):
         backend_order = BACKEND_ORDER.get(dist.get_backend(group), "sequential")
         order = self.order or backend_order
         args = reduce_scatter_args(op, order)
-        mine = shard.detach().cpu()
+        mine = shard.detach().cpu().clone()    # FSDP divides its output in place after this call
         contributions = contributions.cpu()
         labels = self._labels(group, op, mine.dtype)
         # The backend's own order is emulated bit for bit; NCCL's live order only as a model.
         bitwise = (order == backend_order and order in _orders.BIT_EXACT_ORDERS) if self.bitwise is None \
             else self.bitwise
-        with _rank_threads():
-            expected = reduce_scatter(contributions, order, shard=rank, shard_only=True, **args)
-            matches = float((_bits(mine) == _bits(expected)).to(torch.float64).mean()) if mine.numel() else 1.0
-            decided = dict(verdict="rounding", evidence="bitwise") if bitwise and matches == 1.0 else {}
-            _records.emit("matches_order", matches, step=step, bucket=self.group_index, rank=rank,
-                          order=order, **decided, **labels)
-            if self.every_rank:
-                labels["reason"] = "every_rank"
-            elif not bitwise:
-                labels["reason"] = "no_bitwise_order"
-            elif matches < 1.0:
-                labels["reason"] = "differs_from_order"
-            elif (step + self.group_index) % world == rank:
-                labels["reason"] = "rotation"
-            else:
-                return
+        rotation = (step + self.group_index) % world == rank
+
+        def work() -> list[dict]:
+            with _rank_threads():
+                return self._records(mine, contributions, order, args, bitwise, rotation, step, rank, labels)
+
+        self.state.defer(work, lambda recs: self._finish(recs, step, rank))
+
+    def _records(self, mine, contributions, order, args, bitwise, rotation, step, rank, labels) -> list[dict]:
+        """``matches_order``, then the referee's records when this shard is to be measured in full."""
+        expected = reduce_scatter(contributions, order, shard=rank, shard_only=True, **args)
+        matches = float((_bits(mine) == _bits(expected)).to(torch.float64).mean()) if mine.numel() else 1.0
+        decided = dict(verdict="rounding", evidence="bitwise") if bitwise and matches == 1.0 else {}
+        recs = [_records.record("matches_order", matches, step=step, bucket=self.group_index, rank=rank,
+                                order=order, **decided, **labels)]
+        if self.every_rank:
+            reason = "every_rank"
+        elif not bitwise:
+            reason = "no_bitwise_order"
+        elif matches < 1.0:
+            reason = "differs_from_order"
+        elif rotation:
+            reason = "rotation"
+        else:
+            return recs
         if "premul" in args:
             # PREMUL_SUM's products RN(x * f) are what the ring adds: measure the additions
             # on them (the products' own rounding, < u each, is outside this measurement).
             scale = torch.tensor(args["premul"], dtype=torch.float64).to(contributions.dtype)
             contributions = contributions * scale
-            labels["measured_on"] = "premultiplied contributions"
-        mine = mine.clone()    # FSDP divides its output in place after this call
-
-        def work() -> list[dict]:
-            with _rank_threads():
-                return _accuracy.error_records(
-                    mine, contributions, order, op=args["op"], averaging=args.get("averaging"),
-                    expected=expected, bitwise=bitwise, step=step, rank=rank, bucket=self.group_index, **labels)
-
-        self.state.defer(work, lambda recs: self._finish(recs, step, rank))
+            labels = dict(labels, measured_on="premultiplied contributions")
+        return recs + _accuracy.error_records(
+            mine, contributions, order, op=args["op"], averaging=args.get("averaging"), expected=expected,
+            bitwise=bitwise, step=step, rank=rank, bucket=self.group_index, reason=reason, **labels)
 
     def _finish(self, recs: list[dict], step: int, rank: int) -> None:
         for rec in recs:
             fields = {k: v for k, v in rec.items() if k not in _records.RECORD_COLUMNS}
             _records.emit(rec["metric"], rec["value"], step=step, bucket=self.group_index, rank=rank, **fields)
-        label = recs[0]["verdict"] if recs else None
-        if label == "not rounding":
-            ratio = next((r["value"] for r in recs if r["metric"] == "max_bound_ratio"), float("nan"))
+        full = recs[1:]
+        if full and full[0]["verdict"] == "not rounding":
+            ratio = next((r["value"] for r in full if r["metric"] == "max_bound_ratio"), float("nan"))
             alarm = dict(step=step, group=self.group_name, rank=rank, max_bound_ratio=ratio,
-                         evidence=recs[0]["evidence"])
+                         evidence=full[0]["evidence"])
             self.state.alarms.append(alarm)
             if self.raise_on_alarm:
                 raise FSDPAlarm(f"step {step}, group {self.group_name!r}, rank {rank}: the reduce-scattered "

@@ -90,7 +90,8 @@ def reduce_scatter_args(op, order: str) -> dict:
 def reduce_op_name(op) -> str:
     """"avg", "sum" or "premul_sum" for the ReduceOp FSDP passes (its label in the records)."""
     kind = getattr(op, "op", op)
-    return {dist.ReduceOp.AVG: "avg", dist.ReduceOp.SUM: "sum", dist.ReduceOp.PREMUL_SUM: "premul_sum"}.get(kind, str(kind))
+    names = {dist.ReduceOp.AVG: "avg", dist.ReduceOp.SUM: "sum", dist.ReduceOp.PREMUL_SUM: "premul_sum"}
+    return names.get(kind, str(kind))
 
 
 def fsdp_groups(model: torch.nn.Module) -> list[tuple[str, FSDPModule, list[str]]]:

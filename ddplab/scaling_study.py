@@ -57,7 +57,7 @@ def gradient_like(world_size: int, numel: int, dtype=torch.bfloat16, seed: int =
     return as_contributions(row, world_size=world_size, kind="rows", numel=numel, dtype=dtype)
 
 
-def reduce_scatter_scaling(world_sizes: Sequence[int] = WORLD_SIZES, numel: int = 1 << 16, *,
+def reduce_scatter_scaling(world_sizes: Sequence[int] = WORLD_SIZES, numel: int = 1 << 14, *,
                            dtype=torch.bfloat16, order: str = "nccl_ring", op: str = "avg",
                            accumulations: Sequence = (None, torch.float32), seed: int = 0) -> list[dict]:
     """Tidy records of a ``dtype`` reduce-scatter's error against the exact result, per W and accumulation.

@@ -124,11 +124,18 @@ def plot_scaling(records, ax=None, *, metric: str = "bound_ratio"):
         for k, (acc, rows) in enumerate(sorted(data.groupby("accumulate"), key=lambda kv: kv[0])):
             rows = rows.sort_values("world_size")
             color = f"C{k}"
-            ax.plot(rows["world_size"], rows["value"], color=color, label=f"{acc} accumulation")
-            for kind, fill in (("rigorous", color), ("probabilistic", "none")):
-                part = rows[rows["bound"] == kind]
-                ax.scatter(part["world_size"], part["value"], facecolors=fill, edgecolors=color, zorder=3,
-                           label=f"  vs {kind} bound" if metric == "bound_ratio" and len(part) else None)
+            ax.plot([], [], color=color, label=f"{acc} accumulation")
+            for kind, fill, style in (("rigorous", color, "-"), ("probabilistic", "none", ":")):
+                # Multiples of two different bounds are not one curve: no line across the switch.
+                part = rows[rows["bound"] == kind] if metric == "bound_ratio" else rows
+                ax.plot(part["world_size"], part["value"], color=color, linestyle=style, marker="o",
+                        markerfacecolor=fill)
+                if metric != "bound_ratio":
+                    break
+        if metric == "bound_ratio":
+            ax.plot([], [], color="0.3", marker="o", linestyle="-", label="vs the rigorous bound")
+            ax.plot([], [], color="0.3", marker="o", markerfacecolor="none", linestyle=":",
+                    label="vs the probabilistic bound")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("W (virtual ranks)")

@@ -49,10 +49,6 @@ def test_a_fault_below_the_bound_is_not_rounding_where_the_order_is_bit_exact():
     by_bound = measure(result, x, "gloo_ring", bitwise=False, **DDP)
     assert by_bound["classification"] == "rounding" and by_bound["evidence"] == "bound"
     assert math.isnan(by_bound["frac_matches_order"]) and by_bound["first_differs"] == -1
-    # The correct result is the order's rounding, bit for bit.
-    ok = measure(clean, x, "gloo_ring", expected=clean, **DDP)
-    assert (ok["classification"], ok["evidence"], ok["frac_matches_order"], ok["differs_count"]) == \
-        ("rounding", "bitwise", 1.0, 0)
 
 
 def test_an_infinite_bound_is_undetermined_never_rounding_with_ratio_zero():
@@ -230,7 +226,7 @@ def test_the_local_accumulations_roundings_are_in_the_bound_and_needed():
 def test_clean_reductions_over_20_seeds_and_every_order_raise_no_alarm():
     variants = [dict(op="sum"), DDP, dict(op="avg", averaging="divide_first"),
                 dict(op="avg", averaging="sum_then_divide"), dict(op="avg", averaging="multiply_reciprocal")]
-    alarms = []
+    alarms, evidence = [], set()
     for seed in range(20):
         g = gen(seed)
         w = int(torch.randint(2, 10, (1,), generator=g))
@@ -241,11 +237,13 @@ def test_clean_reductions_over_20_seeds_and_every_order_raise_no_alarm():
         for order in ORDERS:
             args = {"op": kw["op"]} if order == "exact" else kw
             result = reduce(x, order, **args)
-            for bitwise in ((None, False) if order in BIT_EXACT_ORDERS else (None, True)):
-                m = measure(result, x, order, bitwise=bitwise, **args)
-                if m["classification"] != "rounding" or m["prob_bound_ratio"] > 1:
-                    alarms.append((seed, order, bitwise, m["classification"], m["max_bound_ratio"]))
+            # Bit-exact orders get bitwise evidence, NCCL's the bound; both report both bounds' ratios.
+            m = measure(result, x, order, **args)
+            if m["classification"] != "rounding" or not m["max_bound_ratio"] <= 1 or m["prob_bound_ratio"] > 1:
+                alarms.append((seed, order, m["classification"], m["max_bound_ratio"], m["prob_bound_ratio"]))
+            evidence.add((order in BIT_EXACT_ORDERS, m["evidence"]))
     assert alarms == []
+    assert evidence == {(True, "bitwise"), (False, "bound")}
 
 
 def test_probabilistic_gamma_is_higham_and_marys_and_holds_as_often_as_stated():

@@ -53,6 +53,7 @@ import math
 
 import torch
 
+from ddplab.numerics.accumulation import as_micro_contributions, local_sums
 from ddplab.numerics.bounds import (NOT_ROUNDING, OVERFLOW, PROBABILISTIC_CONFIDENCE, ROUNDING, UNDETERMINED,
                                     abs_sum, classify, finite_abs_sum, reduction_bounds)
 from ddplab.numerics.contributions import as_contributions
@@ -63,7 +64,8 @@ from ddplab.numerics.orders import (BIT_EXACT_ORDERS, check_reduction, gloo_ring
 from ddplab.numerics.ulp import ulp_distance
 from ddplab.records import record
 
-__all__ = ["METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "measure", "error_records"]
+__all__ = ["METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "same_bits", "measure",
+           "error_records", "records_of"]
 
 # The numeric entries of measure()'s dict, in the order error_records emits them.
 METRICS = ("numel", "max_ulp", "mean_ulp", "frac_correctly_rounded", "max_abs_error",
@@ -96,14 +98,14 @@ def _reference_parts(c, op, reference, divisor=None):
     return hi, torch.zeros_like(hi)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise: identical bits, or both NaN (a NaN's payload is no part of the result)."""
     ints = float_format(a.dtype).int_dtype
     return (a.view(ints) == b.view(ints)) | (torch.isnan(a) & torch.isnan(b))
 
 
 def _chunks(order: str, numel: int, world_size: int, element_size: int, options: dict):
-    """``(start, stop, owner)`` of the chunks the order finishes on one rank each (neighbours of one owner joined), or None."""
+    """``(start, stop, owner)`` of the chunks each finished by one rank (one owner's neighbours joined), or None."""
     if order == "gloo_ring":
         pieces = gloo_ring_segments(numel, world_size, element_size, options["max_segment_bytes"])
     elif order == "nccl_ring":
@@ -161,8 +163,12 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
     ``(hi, lo)``. ``bitwise``: whether ``order`` is emulated bit for bit for
     this result (default: ``order in BIT_EXACT_ORDERS``; pass True for an
     NCCL order that a hook applied with ddplab's emulation, False for a live
-    result the emulation does not model). ``expected``: that emulation's
-    result if already computed (e.g. by a hook).
+    result the emulation does not model). Bitwise evidence compares with the
+    order applied to exactly these contributions: gloo's segments depend on
+    the size of the whole buffer reduced, so measure the whole all-reduced
+    tensor (a DDP bucket), not a slice of a larger one. ``expected``: that
+    emulation's result if already computed (e.g. by a hook, or ``result``
+    itself when it is the emulation).
 
     Returns a dict. Numbers (:data:`METRICS`): ``numel``; ``max_ulp`` and
     ``mean_ulp`` (|distance| to the correctly rounded value in result's
@@ -184,8 +190,6 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
     """
     micro = isinstance(contributions, torch.Tensor) and contributions.dim() == 3
     if micro:
-        from ddplab.numerics.accumulation import as_micro_contributions, local_sums
-
         x = as_micro_contributions(contributions)
         w, steps, n = x.shape
         raw = as_contributions(x.reshape(w * steps, n))
@@ -294,7 +298,7 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
         if expected.numel() != c.numel or expected.dtype != dtype:
             raise ValueError(f"expected must hold {c.numel} {dtype} elements, got {expected.numel()} "
                              f"{expected.dtype}")
-        differs = ~_same_bits(result, expected)
+        differs = ~same_bits(result, expected)
         count = int(differs.sum())
         element_size = torch.empty((), dtype=parse_dtype(reduce_dtype or c.dtype)).element_size()
         chunks = _chunks(order, c.numel, c.world_size, element_size,
@@ -340,6 +344,14 @@ def error_records(result, contributions, order: str | None, *, op: str = "sum", 
     m = measure(result, contributions, order, op=op, reference=reference, averaging=averaging,
                 accumulate=accumulate, reduce_dtype=reduce_dtype, expected=expected, bitwise=bitwise,
                 **(options or {}))
+    return records_of(m, result, contributions, order, op=op, averaging=averaging, accumulate=accumulate,
+                      reduce_dtype=reduce_dtype, step=step, rank=rank, bucket=bucket, **labels)
+
+
+def records_of(m: dict, result, contributions, order: str | None, *, op: str = "sum",
+               averaging: str | None = None, accumulate=None, reduce_dtype=None, step: int | None = None,
+               rank: int | None = None, bucket: int | None = None, **labels) -> list[dict]:
+    """:func:`error_records` of a :func:`measure` dict ``m`` already computed for these arguments."""
     world = contributions.shape[0] if isinstance(contributions, torch.Tensor) else \
         as_contributions(contributions).world_size
     base = dict(order=order, op=op, dtype=float_format(result.dtype).name, world_size=world,

@@ -314,9 +314,9 @@ def verdict(records, params: dict) -> Verdict:
         if drift:
             summary += (
                 " With {w} ranks the orders differ from the first step (about {mean_ulp:.2g} ulp per "
-                "element on average, at most {ratio:.2g} of the rounding bound); live gloo is rounding "
-                "by {evidence} evidence ({matches_min:.2%} of its audited elements equal the emulated "
-                "gloo ring). Training then amplified the difference, a measured growth, not a bound: "
+                "element on average, at most {ratio:.2g} of the rounding bound); live gloo's reduction "
+                "is rounding on {evidence} evidence ({matches_min:.2%} of its audited elements equal the "
+                "emulated gloo ring bit for bit). Training then amplified the difference, a measured growth, not a bound: "
                 "after {steps} steps {pair_a} and {pair_b} differ by {loss_gap} in the logged loss "
                 "({rel_loss_gap} relative) and {pair_distance} in parameter distance, in {dtype}.")
             summary += (

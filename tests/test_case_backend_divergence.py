@@ -117,16 +117,20 @@ def _twin(run):
     return run
 
 
-def _clean_records(sizes=(2, 4)):
-    """Records shaped like a real run in which the rounding story holds."""
+def _clean_records(sizes=(2, 4), runs=tuple(RUNS)):
+    """Records shaped like a real run in which the rounding story holds.
+
+    The audit's labels as the referee gives them: bitwise evidence where the
+    order is emulated bit for bit, the bound for live NCCL and the fixed-point hook.
+    """
     from ddplab.records import record, to_frame
 
     recs = []
     for w in sizes:
-        for run in RUNS:
+        for run in runs:
             twin = _twin(run) if w > 2 else "exact"
             same_as_exact = twin == "exact"
-            tag = RUNS.index(twin)
+            tag = RUNS.index(twin) if twin in RUNS else len(RUNS)
             for step in range(STEPS):
                 labels = dict(world_size=w, run=run, dtype="float64")
                 loss = 2.0 - 0.1 * step + (0 if same_as_exact or step == 0 else tag * 1e-16 * step)
@@ -144,6 +148,7 @@ def _clean_records(sizes=(2, 4)):
                     shard = w - 1 - rank if "reversed" in run else rank
                     recs.append(record("local_loss", loss + shard, step=step, rank=rank, shard=shard,
                                        **labels))
+                evidence = "bound" if run.startswith(("reproducible", "nccl_live")) else "bitwise"
                 for bucket in range(2):
                     exact_like = same_as_exact or run.startswith("reproducible")
                     audit = dict(max_ulp=0 if exact_like else 512, mean_ulp=0.0 if exact_like else 0.7,
@@ -155,7 +160,8 @@ def _clean_records(sizes=(2, 4)):
                                            hook="audit", **labels))
                         for metric, value in audit.items():
                             recs.append(record(metric, value, step=step, rank=rank, bucket=bucket,
-                                               hook="audit", **labels))
+                                               hook="audit", verdict="rounding", evidence=evidence,
+                                               **labels))
     return to_frame(recs)
 
 
@@ -193,6 +199,8 @@ def test_verdict_holds_on_a_clean_rounding_story():
     assert dict(v.key_table())["W>2: largest error / rounding bound"] == "0.5"
     facts = v.finding("gloo_rounding_facts").values
     assert facts["gloo_ratio"] == 0.5 and facts["matches_n"] == 3 * (2 + 4) * 2 * STEPS
+    assert facts["gloo_bitwise"] == facts["gloo_buckets"] == facts["matches_n"]
+    assert "Live NCCL" not in v.headline
     assert "NUMERICS" not in v.to_markdown()
 
 
@@ -242,15 +250,40 @@ def test_verdict_needs_the_placement_control_to_change_gloo():
     assert v.finding("no_order_privileged").values["control_equal"] == [True, True]
 
 
-def test_verdict_rests_on_the_bound_when_gloo_is_not_the_emulated_ring():
-    # Live gloo off the emulated ring in some elements, yet within the bound: still rounding,
-    # but the evidence is the bound, not bitwise equality with a known order -- and it says so.
+def test_live_gloo_off_its_emulated_ring_is_not_rounding_even_within_the_bound():
+    # Rounding in gloo's ring gives exactly one answer: a rank whose bits differ from it
+    # (here on every rank of one step) is not rounding, however small the error.
     frame = _set(_clean_records(), "matches_order", 0.97, world_size=4, run="gloo", step=2)
     v = case.verdict(frame, PARAMS)
     facts = v.finding("gloo_rounding_facts")
     assert facts.holds is False and facts.values["matches_min"] == 0.97
-    assert v.kind == "rounding" and v.values["evidence"] == "bound"
-    assert "rounding on bound evidence" in v.headline
+    assert v.kind == "unexplained" and v.values["failed"] == ["gloo_rounding_facts"]
+
+
+def test_a_bucket_the_referee_calls_not_rounding_is_not_rounding():
+    frame = _clean_records()
+    mask = ((frame["metric"] == "max_bound_ratio") & (frame["world_size"] == 4) & (frame["run"] == "gloo")
+            & (frame["step"] == 1) & (frame["bucket"] == 0))
+    frame.loc[mask, "verdict"] = "not rounding"  # bits differ from the emulated ring, within the bound
+    v = case.verdict(frame, PARAMS)
+    privileged = v.finding("no_order_privileged").values
+    assert v.finding("gloo_rounding_facts").values["evidence"] == "none"
+    assert privileged["judged"] - privileged["rounding"] == mask.sum()
+    assert v.kind == "unexplained"
+    assert set(v.values["failed"]) == {"no_order_privileged", "gloo_rounding_facts"}
+
+
+def test_live_nccl_rests_on_the_bound_and_the_headline_says_so():
+    frame = _clean_records(runs=tuple(RUNS) + ("nccl_live_ring",))
+    v = case.verdict(frame, case.parameters.validate({"steps": STEPS, "backend": "nccl", "orders": [
+        "gloo", "nccl_ring", "nccl_tree", "exact", "nccl_live_ring"]}))
+    assert v.kind == "rounding", v.to_markdown()
+    judged = 2 * STEPS * (2 + 4)  # buckets x steps x every rank of W = 2 and 4
+    assert (v.values["nccl_buckets"], v.values["nccl_bound"], v.values["nccl_ratio"]) == (judged, judged, 0.5)
+    assert v.values["evidence"] == "bitwise"                     # live gloo: bit for bit
+    privileged = v.finding("no_order_privileged").values
+    assert privileged["bound"] == judged and privileged["bitwise"] + judged == privileged["judged"]
+    assert "Live NCCL's is rounding on the bound" in v.headline
 
 
 def test_verdict_says_when_rounding_alone_grew_to_a_visible_loss_gap():

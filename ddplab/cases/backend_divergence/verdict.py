@@ -109,6 +109,21 @@ def _growth(values) -> tuple[float, float, float]:
     return float(positive.iloc[0]), last, last / float(positive.iloc[0])
 
 
+def _judged(records, runs, world_size: int | None = None):
+    """The audit's judged bucket measurements of ``runs``: one ``max_bound_ratio`` row each,
+    labelled with the referee's ``verdict`` and ``evidence`` (bitwise, bound, probabilistic)."""
+    labels = {} if world_size is None else {"world_size": world_size}
+    rows = where(records, "max_bound_ratio", run=list(runs), **labels)
+    for column in ("verdict", "evidence"):
+        if column not in rows:
+            rows = rows.assign(**{column: None})
+    return rows
+
+
+def _count(rows, **labels) -> int:
+    return len(where(rows, "max_bound_ratio", **labels))
+
+
 # --------------------------------------------------------------------------- findings
 
 
@@ -210,16 +225,20 @@ def _no_order_privileged(records, sizes, runs, orders, steps, params) -> Finding
     repro = [r for r in runs if kind_of(r) == "reproducible"]
     control = "gloo" + REVERSED_SUFFIX
     ratios = [_max(_audit(records, w, live_like, "max_bound_ratio")) for w in sizes]
-    ok = all(r <= 1 for r in ratios)
+    judged = _judged(records, live_like)
     pdist, big = run_table(records, "param_distance"), [w for w in sizes if w > 2]
     exact_equal = [f"W={w} {r}" for w in big for r in orders if compare(records, r, REFERENCE, w)[0]]
     values = {"sizes": sizes, "ratios": ratios, "steps": steps, "big": big, "orders": orders,
               "d_last": [float(pdist.loc[w].iloc[-1].get(r, math.nan)) for w in big for r in orders],
-              "equal_to_exact": exact_equal or "none"}
-    ok &= not exact_equal
-    template = ("largest error/rounding bound over every order's audited buckets, W = {sizes}: "
-                "{ratios:.2g}; distance from the exact run after {steps} steps, W = {big}, orders "
-                "{orders}: {d_last} (equal to exact: {equal_to_exact})")
+              "equal_to_exact": exact_equal or "none", "judged": len(judged),
+              "rounding": _count(judged, verdict="rounding"),
+              "bitwise": _count(judged, verdict="rounding", evidence="bitwise"),
+              "bound": _count(judged, verdict="rounding", evidence="bound")}
+    ok = all(r <= 1 for r in ratios) and not exact_equal and values["rounding"] == len(judged) > 0
+    template = ("the referee judged {rounding} of {judged} audited buckets of every order rounding "
+                "({bitwise} by bitwise equality with their emulated order, {bound} within the bound); "
+                "largest error/rounding bound, W = {sizes}: {ratios:.2g}; distance from the exact run "
+                "after {steps} steps, W = {big}, orders {orders}: {d_last} (equal to exact: {equal_to_exact})")
     if len(repro) < 2:
         return Finding("no_order_privileged", _CLAIM4, False,
                        template + "; the reproducible hook was not run (reproducible=False)", values)
@@ -231,11 +250,14 @@ def _no_order_privileged(records, sizes, runs, orders, steps, params) -> Finding
     w_top = max(sizes)
     dtype = DTYPES[params["dtype"]]
     rel = _max(_audit(records, w_top, repro, "max_rel_error"))
+    repro_judged = _judged(records, repro)
     values.update(repro_equal=equal, control_equal=["n/a" if c is None else c for c in ctl],
                   repro_min_correct=_min(_audit(records, w_top, repro, "frac_correctly_rounded")),
                   repro_max_ulp=_max(_audit(records, w_top, repro, "max_ulp")), w_top=w_top,
                   repro_rel_u=rel / unit_roundoff(dtype), dtype=params["dtype"],
-                  binades=lossless_binades(dtype, w_top))
+                  binades=lossless_binades(dtype, w_top), repro_judged=len(repro_judged),
+                  repro_beyond=_count(repro_judged, verdict="not rounding"),
+                  repro_ratio=_max(repro_judged["value"]))
     return Finding(
         "no_order_privileged", _CLAIM4, ok, template +
         "; the reproducible hook under both placements, W = {sizes}: bitwise equal parameters and "
@@ -243,7 +265,9 @@ def _no_order_privileged(records, sizes, runs, orders, steps, params) -> Finding
         "bitwise equal: {control_equal}); its precision at W={w_top}: ≥ {repro_min_correct:.4%} of "
         "elements correctly rounded, largest error {repro_max_ulp} ulp = {repro_rel_u:.2g}·u·Σ|x_r| "
         "(in {dtype} int64 fixed point holds a contribution exactly only within {binades} binades "
-        "of its element's largest: order-independent, not correctly rounded)", values)
+        "of its element's largest: order-independent, not correctly rounded; against the bound of "
+        "one correct rounding {repro_beyond} of {repro_judged} audited buckets exceed it, by up to "
+        "{repro_ratio:.3g}×)", values)
 
 
 _CLAIM4 = ("Which one is correct? Neither is privileged: every order stays within the rounding bound "
@@ -252,35 +276,45 @@ _CLAIM4 = ("Which one is correct? Neither is privileged: every order stays withi
 
 
 def _gloo_facts(records, sizes, runs, same_order: Finding) -> Finding:
-    """Live gloo's reduction, checked as a known floating-point order: bitwise, then by the bound."""
+    """Live gloo's reduction judged as a known floating-point order: bit for bit, then by the bound."""
     live = [r for r in runs if base_run(r) == "gloo"]
+    judged = _judged(records, live)
     matches = where(records, "matches_order", run=live)["value"]
-    ratio = where(records, "max_bound_ratio", run=live)["value"]
     w2 = _audit(records, 2, [r for r in runs if kind_of(r) != "reproducible"], "max_ulp")
-    values = {"matches_min": _min(matches),
-              "matches_n": len(matches), "gloo_ratio": _max(ratio), "gloo_buckets": len(ratio),
-              "sizes": sizes, "repeats_equal": same_order.holds if same_order.holds is not None else "n/a",
+    values = {"gloo_buckets": len(judged), "gloo_bitwise": _count(judged, verdict="rounding", evidence="bitwise"),
+              "gloo_rounding": _count(judged, verdict="rounding"), "matches_min": _min(matches),
+              "matches_n": len(matches), "gloo_ratio": _max(judged["value"]), "sizes": sizes,
+              "repeats_equal": "n/a" if same_order.holds is None else same_order.holds,
               "w2_max_ulp": _max(w2)}
-    values["evidence"] = "bitwise" if values["matches_min"] == 1 else "bound"
-    holds = (bool(len(matches)) and values["matches_min"] == 1 and values["gloo_ratio"] <= 1
+    values["evidence"] = ("bitwise" if values["gloo_bitwise"] == len(judged) > 0 else
+                          "bound" if values["gloo_rounding"] == len(judged) > 0 else "none")
+    holds = (values["evidence"] == "bitwise" and values["matches_min"] == 1 and values["gloo_ratio"] <= 1
              and same_order.holds is not False and not values["w2_max_ulp"] > 0)
     return Finding(
         "gloo_rounding_facts", "Live gloo's reduction is rounding of a known order: it equals the "
         "emulated gloo ring bit for bit, stays within γ_(W−1)·Σ|x_r|, repeats its bits and is the "
         "correctly rounded mean at W=2", holds if len(live) else None,
-        "the emulated gloo ring equals live gloo in {matches_min:.2%} of elements at worst over "
-        "{matches_n} audited bucket reductions: rounding by {evidence} evidence; the largest error "
-        "of live gloo was {gloo_ratio:.2g} of the bound γ_(W−1)·Σ|x_r| ({gloo_buckets} audited "
-        "buckets, W = {sizes}); the same order twice gave the same bits: {repeats_equal}; at W=2 "
-        "every audited reduction was within {w2_max_ulp} ulp of the correctly rounded mean (DDP's "
-        "scaling by 1/2 is exact)", values)
+        "{gloo_bitwise} of {gloo_buckets} audited live gloo buckets are rounding by bitwise evidence "
+        "(the referee: equal to the emulated gloo ring in every bit); every rank's result equals "
+        "it in {matches_min:.2%} of elements at worst over {matches_n} bucket reductions; the "
+        "largest error of live gloo was {gloo_ratio:.2g} of the bound γ_(W−1)·Σ|x_r| (W = {sizes}); "
+        "the same order twice gave the same bits: {repeats_equal}; at W=2 every audited reduction "
+        "was within {w2_max_ulp} ulp of the correctly rounded mean (DDP's scaling by 1/2 is exact)",
+        values)
+
+
+def _live_nccl(records, runs) -> dict:
+    """Live NCCL's audited buckets: rounding rests on the bound there (ddplab's NCCL orders are models)."""
+    judged = _judged(records, [r for r in runs if r.startswith("nccl_live")])
+    return {"nccl_buckets": len(judged), "nccl_bound": _count(judged, verdict="rounding", evidence="bound"),
+            "nccl_ratio": _max(judged["value"])}
 
 
 # --------------------------------------------------------------------------- the verdict
 
 
 def verdict(records, params: dict) -> Verdict:
-    """kind "rounding" when the four observations hold as the rounding story predicts, else "unexplained"."""
+    """kind "rounding" when every finding holds (or was not measured), else "unexplained"."""
     sizes = sorted(int(w) for w in records["world_size"].dropna().unique())
     runs = sorted(where(records, "loss")["run"].dropna().unique())
     orders = [r for r in runs if kind_of(r) == "order" and r != REFERENCE]
@@ -298,15 +332,16 @@ def verdict(records, params: dict) -> Verdict:
                 _gloo_facts(records, sizes, runs, same)]
     facts = findings[-1].values
 
-    key = findings[:4]
-    kind = "rounding" if all(f.holds is not False for f in key) else "unexplained"
+    kind = "rounding" if all(f.holds is not False for f in findings) else "unexplained"
+    nccl = _live_nccl(records, runs)
     values = {"steps": steps, "dtype": params["dtype"], "model": params["model"], "data": params["data"],
               "w2_max_ulp": two.values.get("max_ulp", math.nan), "w": max(big) if big else "none",
               "mean_ulp": math.nan, "ratio": math.nan, "loss_gap": math.nan, "rel_loss_gap": math.nan,
               "pair_distance": math.nan, "pair_a": "none", "pair_b": "none",
               "matches_min": facts["matches_min"], "evidence": facts["evidence"],
-              "unmeasured": [f.key for f in key if f.holds is None] or "none",
-              "failed": [f.key for f in key if f.holds is False] or "none", **drift}
+              "gloo_buckets": facts["gloo_buckets"], "gloo_bitwise": facts["gloo_bitwise"], **nccl,
+              "unmeasured": [f.key for f in findings if f.holds is None] or "none",
+              "failed": [f.key for f in findings if f.holds is False] or "none", **drift}
     if kind == "rounding":
         summary = "Rounding, not a bug: the backends add the gradients in different orders."
         if two.holds:
@@ -314,9 +349,17 @@ def verdict(records, params: dict) -> Verdict:
         if drift:
             summary += (
                 " With {w} ranks the orders differ from the first step (about {mean_ulp:.2g} ulp per "
-                "element on average, at most {ratio:.2g} of the rounding bound); live gloo's reduction "
-                "is rounding on {evidence} evidence ({matches_min:.2%} of its audited elements equal the "
-                "emulated gloo ring bit for bit). Training then amplified the difference, a measured growth, not a bound: "
+                "element on average, at most {ratio:.2g} of the rounding bound).")
+        if facts["gloo_buckets"]:
+            summary += (" Live gloo's reduction is rounding on bitwise evidence: all {gloo_buckets} of "
+                        "its audited buckets equal the emulated gloo ring bit for bit.")
+        if nccl["nccl_buckets"]:
+            summary += (" Live NCCL's is rounding on the bound ({nccl_bound} of {nccl_buckets} audited "
+                        "buckets within it, at most {nccl_ratio:.2g} of it): NCCL's order is modelled, "
+                        "not emulated bit for bit.")
+        if drift:
+            summary += (
+                " Training then amplified the difference, a measured growth, not a bound: "
                 "after {steps} steps {pair_a} and {pair_b} differ by {loss_gap} in the logged loss "
                 "({rel_loss_gap} relative) and {pair_distance} in parameter distance, in {dtype}.")
             summary += (

@@ -109,6 +109,15 @@ def _growth(values) -> tuple[float, float, float]:
     return float(positive.iloc[0]), last, last / float(positive.iloc[0])
 
 
+def _not_measured_as_text(values: dict) -> dict:
+    """NaN (not measured) as "n/a": a verdict read back from JSON then equals the one computed."""
+    def clean(v):
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return "n/a" if isinstance(v, float) and math.isnan(v) else v
+    return {k: clean(v) for k, v in values.items()}
+
+
 def _judged(records, runs):
     """The referee's judgements of ``runs``' audited buckets: one ``max_bound_ratio`` row each,
     labelled with its ``verdict`` and ``evidence`` (bitwise, bound, probabilistic)."""
@@ -380,8 +389,10 @@ def verdict(records, params: dict) -> Verdict:
     else:
         summary = ("The measurements do not match the rounding explanation in full: {failed} did not "
                    "hold; read their evidence.")
+    for f in findings:
+        f.values = _not_measured_as_text(f.values)
     return Verdict(case="backend_divergence", kind=kind, summary=summary, findings=findings,
-                   values=values, scope=SCOPE,
+                   values=_not_measured_as_text(values), scope=SCOPE,
                    key_numbers={"W=2: largest error of any order (ulp)": "w2_max_ulp",
                                 "W>2: largest error / rounding bound": "ratio:.2g",
                                 "live gloo elements equal to the emulated gloo ring": "matches_min:.2%",

@@ -26,7 +26,7 @@ same batches, in lockstep (:mod:`.runs`, :mod:`.worker`):
 ``nccl_live_ring``, ``nccl_live_tree`` (``backend="nccl"``, GPUs only)
     live NCCL under ``NCCL_ALGO=Ring`` / ``Tree``, a launch each.
 
-Every reduction is wrapped in :func:`ddplab.comm_hooks.audit_hook`, which
+Every reduction but the reference's is wrapped in :func:`ddplab.comm_hooks.audit_hook`, which
 returns the inner result unchanged and measures each bucket against the
 correctly rounded mean of the same contributions (``max_ulp``, ``mean_ulp``,
 ``frac_correctly_rounded``, ``max_bound_ratio``, ``matches_order``, ...).

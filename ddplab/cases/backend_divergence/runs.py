@@ -31,9 +31,9 @@ class RunSpec:
 
     ``order`` is what reduces the gradients (one of :data:`ORDERS`, or
     ``"reproducible"``); ``placement`` which shard rank r trains (identity: r;
-    reversed: W-1-r); ``emit`` whether it records and is audited (a launch
-    that needs the exact run only as the reference of its distances keeps it
-    silent).
+    reversed: W-1-r); ``emit`` whether it records (a launch that needs the
+    exact run only as the reference of its distances keeps it silent). Every
+    recording run but the exact reference is audited.
     """
 
     name: str

@@ -44,9 +44,10 @@ def _register_hook(ddp, spec: RunSpec, params: dict, group) -> None:
     """Make ``spec.order`` the reduction of ``ddp``, wrapped in the audit hook.
 
     The audit hook returns its inner hook's result unchanged (for live runs,
-    DDP's own reduction bit for bit), so auditing changes no run; it judges
-    each result by the rounding bound of the order that computed it. A silent
-    run (``emit=False``) is not audited.
+    DDP's own reduction bit for bit), so auditing changes no run; the referee
+    judges each result against the order that computed it. Not audited: a
+    silent run (``emit=False``), and the exact reference, whose audit would
+    measure the exact reduction against itself (an eighth of the audit's time).
     """
     from ddplab import comm_hooks as ch
 
@@ -57,7 +58,7 @@ def _register_hook(ddp, spec: RunSpec, params: dict, group) -> None:
         # Judged by what it aims at, one correct rounding; in float64, int64 fixed
         # point keeps too few bits below an element's largest contribution for that.
         inner, state, bound = ch.reproducible_hook, ch.ReproducibleState(group), "exact"
-    if not spec.emit:
+    if not spec.emit or spec.order == REFERENCE:
         if inner is not None:
             ddp.register_comm_hook(state, inner)
         return

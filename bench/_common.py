@@ -118,7 +118,7 @@ def ratio_table(ratios: Mapping[str, Ratio], targets: Mapping[str, float | None]
             verdict = "meets target" if r.median <= target else "MISSES target"
             shown = f"{target:g}x"
         lines.append(f"{name:26s}{statistics.median(r.times) / unit:11.3f}{statistics.median(r.baseline) / unit:14.3f}"
-                     f"{r.median:8.2f}{min(r.pairs):6.2f}..{max(r.pairs):<5.2f}{r.best:10.2f}{r.load:6.1f}"
+                     f"{r.median:8.3f}{min(r.pairs):6.2f}..{max(r.pairs):<5.2f}{r.best:10.3f}{r.load:6.1f}"
                      f"{shown:>8s}  {verdict}")
     return "\n".join(lines)
 

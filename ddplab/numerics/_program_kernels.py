@@ -36,7 +36,7 @@ from numba import njit, prange
 
 from ddplab.numerics._numba_cache import CACHE
 
-__all__ = ["LOAD_ROW", "ADD_ROW", "ADD_SLOT", "compile_program", "eval_columns", "stream_row",
+__all__ = ["LOAD_ROW", "ADD_ROW", "ADD_SLOT", "op_count", "compile_program", "eval_columns", "stream_row",
            "finish_parts", "needed_ranks"]
 
 LOAD_ROW, ADD_ROW, ADD_SLOT = 0, 1, 2
@@ -49,6 +49,12 @@ NO_SCALE, DIVIDE, MULTIPLY = 0, 1, 2
 _F16_MIN_NORMAL_BITS = 0x38800000   # float32 bits of 2^-14
 _F16_OVERFLOW_BITS = 0x477FF000     # float32 bits of 65520: rounds to inf
 _TWO_M24 = 5.960464477539063e-08    # 2^-24, the float16 subnormal spacing
+
+
+def op_count(program) -> int:
+    """How many ops :func:`compile_program` makes of ``program``: each push followed by ADD fuses with it."""
+    prog = np.asarray(program, dtype=np.int64)
+    return int(prog.size - np.count_nonzero((prog[:-1] >= 0) & (prog[1:] == -1)))
 
 
 def compile_program(program, ranks: int) -> np.ndarray:

@@ -246,22 +246,25 @@ class _ProgramTable:
 
     def __init__(self, pieces: Sequence[Piece], world_size: int):
         ids: dict[tuple, int] = {}
-        compiled = []
+        programs = []
         progs = np.empty(len(pieces), np.int64)
         for i, p in enumerate(pieces):
             k = ids.get(p.program)
             if k is None:
-                k = ids[p.program] = len(compiled)
-                compiled.append(K.compile_program(p.program, world_size))
+                k = ids[p.program] = len(programs)
+                programs.append(p.program)
             progs[i] = k
         self.world_size = world_size
         self.starts = np.fromiter((p.start for p in pieces), np.int64, len(pieces))
         self.stops = np.fromiter((p.stop for p in pieces), np.int64, len(pieces))
         self.progs = progs
-        self.ops = np.concatenate(compiled)
-        self.prog_off = np.zeros(len(compiled) + 1, np.int64)
-        self.prog_off[1:] = np.cumsum([len(o) for o in compiled])
-        self.nslots = 1 + max(int(o[:, 2].max()) for o in compiled)
+        # Filled in place: W ring programs of W ranks each are O(W^2) ops, not worth holding twice.
+        self.prog_off = np.zeros(len(programs) + 1, np.int64)
+        self.prog_off[1:] = np.cumsum([K.op_count(program) for program in programs])
+        self.ops = np.empty((int(self.prog_off[-1]), 3), np.int32)
+        for k, program in enumerate(programs):
+            self.ops[self.prog_off[k]:self.prog_off[k + 1]] = K.compile_program(program, world_size)
+        self.nslots = 1 + int(self.ops[:, 2].max())
 
     def parts(self, lo: int, hi: int, size: int, groups: int):
         """The pieces clipped to ``[lo, hi)`` and cut into parts of at most ``size`` elements,

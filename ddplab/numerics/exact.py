@@ -141,9 +141,9 @@ def _stream_add(partials, count, flags, row):
 
     flags bit 1: a nonzero or +0 value was seen (the sum is not -0);
     bit 2: give up on this element (capacity, overflow, inf/NaN): recompute it.
-    Serial: it runs once per generated row, which costs more to make than
-    this does to add, and a parallel region per row stalls whenever another
-    process holds one of the cores.
+    Serial: it runs once per generated row, which costs about as much to
+    make as this does to add, and a parallel region per row stalls whenever
+    another process holds one of the cores.
     """
     cap = partials.shape[0]
     for i in range(row.size):

@@ -468,21 +468,16 @@ def test_compiled_engine_rounds_edges_like_torch(dtype):
 
 
 def test_float64_results_reach_half_precision_through_float32_as_torch_converts():
-    # A float64 mean a hair above a float16 tie: float32 rounds it onto the tie, which then goes to even.
-    # Rounding float64 directly to float16 would go up instead; torch's copy_ (and the kernels) go through float32.
-    import numpy as np
-
-    g = torch.Generator().manual_seed(11)
-    x = (1 + torch.rand(3, 200_000, generator=g, dtype=torch.float64) / 8).to(torch.float16)
-    mean = x.double().sum(0) / 3
-    through32 = torch.from_numpy(mean.numpy().astype(np.float32).astype(np.float16))
-    direct = torch.from_numpy(mean.numpy().astype(np.float16))
-    assert (through32 != direct).any()            # the data really contain such elements
-    arith = _arithmetic(torch.float16, "sequential", "avg", "sum_then_divide", torch.float64, 3)
-    pieces = reduction_pieces("sequential", x.shape[1], 3, 2)
+    # 1 + 2^-11 + 2^-24 is a hair above the float16 tie 1 + 2^-11, and exactly halfway between two
+    # float32s: float32 rounds it (to even) onto the tie, which float16 then rounds to even, 1.0.
+    # Rounding float64 directly to float16 would give 1 + 2^-10. torch's copy_ goes through float32.
+    x = torch.tensor([[1.0, 1.0], [2.0 ** -11, 2.0 ** -11], [2.0 ** -24, 0.0]], dtype=torch.float16)
+    arith = _arithmetic(torch.float16, "sequential", "sum", None, torch.float64, 3)
+    pieces = reduction_pieces("sequential", 2, 3, 2)
     got = run(as_contributions(x), pieces, arith)
     assert_same_results(got, run_torch(as_contributions(x), pieces, arith), "compiled vs torch")
-    assert_same_results(got, through32, "through float32")
+    assert got.tolist() == [1.0, 1.0]               # the tie 1 + 2^-11 alone also goes to even
+    assert torch.tensor(1 + 2.0 ** -11 + 2.0 ** -24, dtype=torch.float64).to(torch.float16).item() == 1.0
 
 
 def random_pieces(n: int, w: int, g: torch.Generator) -> list:
@@ -540,6 +535,7 @@ def test_engine_rejects_pieces_and_programs_it_cannot_run():
     arith = Arithmetic(torch.float32, torch.float32)
     for pieces, match in (([Piece(0, 11, chain_program([0, 1, 2]))], "outside"),
                           ([Piece(-1, 5, chain_program([0, 1, 2]))], "outside"),
+                          ([Piece(0, 6, chain_program([0, 1, 2])), Piece(5, 10, chain_program([1, 2, 0]))], "overlap"),
                           ([Piece(0, 10, chain_program([0, 1, 3]))], "rank outside"),
                           ([Piece(0, 10, (0, 1, ADD, ADD))], "malformed"),
                           ([Piece(0, 10, (0, 1, 2, ADD))], "malformed")):

@@ -153,11 +153,14 @@ def merge_pieces(pieces: Sequence[Piece]) -> list[Piece]:
 
 
 def _checked_pieces(pieces: Sequence[Piece], n: int) -> list[Piece]:
-    """The non-empty pieces in order (see :func:`merge_pieces`); ValueError for one outside ``[0, n)``."""
+    """The non-empty pieces in order (see :func:`merge_pieces`); ValueError for one outside ``[0, n)``
+    or for two that overlap (which program would an element follow?)."""
     pieces = merge_pieces(pieces)
-    for p in pieces:
+    for i, p in enumerate(pieces):
         if p.start < 0 or p.stop > n:
             raise ValueError(f"piece [{p.start}, {p.stop}) outside the {n} elements")
+        if i and p.start < pieces[i - 1].stop:
+            raise ValueError(f"pieces [{pieces[i - 1].start}, {pieces[i - 1].stop}) and [{p.start}, {p.stop}) overlap")
     return pieces
 
 
@@ -165,8 +168,8 @@ def run(contributions: Contributions, pieces: Sequence[Piece], arith: Arithmetic
     """Evaluate the pieces' programs over the contributions; return the [N] result in ``arith.dtype``.
 
     Pieces may come in any order; elements no piece covers are left
-    uninitialized. Raises ValueError for a piece outside ``[0, N)`` or a
-    program that is malformed or reads a rank outside ``[0, W)``.
+    uninitialized. Raises ValueError for a piece outside ``[0, N)``, pieces
+    that overlap, or a program that is malformed or reads a rank outside ``[0, W)``.
     """
     pieces = _checked_pieces(pieces, contributions.numel)
     if not pieces:

@@ -423,7 +423,8 @@ def sources(x: torch.Tensor) -> dict:
 ARITHMETIC = [dict(op="sum"), dict(op="avg", averaging="sum_then_divide"), dict(op="avg", averaging="divide_first"),
               dict(op="avg", averaging="multiply_reciprocal"),
               dict(op="avg", averaging="multiply_float32_reciprocal"),
-              dict(op="sum", accumulate=torch.float32), dict(op="avg", averaging="divide_first", accumulate=torch.float64)]
+              dict(op="sum", accumulate=torch.float32),
+              dict(op="avg", averaging="divide_first", accumulate=torch.float64)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -514,7 +515,8 @@ def test_compiled_engine_runs_any_pieces_list(dtype):
     # A pieces list may cover only part of the buffer: the covered part is still right.
     x = sample(3, 100, dtype, seed=3)
     pieces = [Piece(10, 40, chain_program([2, 0, 1])), Piece(60, 61, (1, 0, ADD, 2, ADD))]
-    got, want = run(as_contributions(x), pieces, Arithmetic(dtype, dtype)), run_torch(as_contributions(x), pieces, Arithmetic(dtype, dtype))
+    c, arith = as_contributions(x), Arithmetic(dtype, dtype)
+    got, want = run(c, pieces, arith), run_torch(c, pieces, arith)
     assert_same_results(got[10:40], want[10:40], "partial")
     assert_same_results(got[60:61], want[60:61], "partial")
 

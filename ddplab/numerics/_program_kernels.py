@@ -1,4 +1,4 @@
-"""Compiled evaluation of summation programs: one pass over memory, one parallel region per call.
+"""Compiled evaluation of summation programs: one pass over memory, at most one parallel region per call.
 
 :mod:`ddplab.numerics._programs` describes a reduction order as pieces, each
 an element range and a postfix program over ranks. Here a program becomes a
@@ -24,10 +24,11 @@ rounds exactly as torch's in-place op in the compute dtype does:
 NaN results are NaN, but their sign and payload bits may differ from torch's
 (torch's own vectorized and scalar conversions disagree there).
 
-One call is one parallel region. Under load from other processes that is
-what keeps the cost near the memory floor: a stream of small torch ops pays
-a thread-team synchronization for each one, and a descheduled thread stalls
-every one of them.
+:func:`eval_columns` is one parallel region for a whole tensor; the
+streaming kernels are serial (a row costs more to generate than to add).
+Under load from other processes that is what keeps the cost near the memory
+floor: a stream of small torch ops pays a thread-team synchronization for
+each one, and a descheduled thread stalls every one of them.
 """
 from __future__ import annotations
 

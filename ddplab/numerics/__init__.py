@@ -12,8 +12,6 @@
 * :mod:`~ddplab.numerics.accumulators` — float16-style K-lane accumulators (seed 001);
 * :mod:`~ddplab.numerics.fixed_point` — the order-independent int64 reduction.
 """
-# First: where numba may cache the kernels the modules below compile (see _numba_cache).
-from ddplab.numerics import _numba_cache  # noqa: F401  isort: skip
 from ddplab.numerics.accumulators import (lane_norm, lane_partials, lane_sum, lane_sum_of_squares,
                                           running_sum_of_squares)
 from ddplab.numerics.accumulation import (accumulated_bound, accumulated_bounds, accumulated_depth,

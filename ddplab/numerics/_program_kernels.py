@@ -33,9 +33,10 @@ each one, and a descheduled thread stalls every one of them.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from ddplab.numerics._numba_cache import CACHE
+from ddplab.numerics._numba_cache import njit
+
 
 __all__ = ["LOAD_ROW", "ADD_ROW", "ADD_SLOT", "op_count", "compile_program", "eval_columns", "stream_row",
            "finish_parts", "needed_ranks"]
@@ -107,7 +108,7 @@ def compile_program(program, ranks: int) -> np.ndarray:
 # --------------------------------------------------------------------------- float16 / bfloat16
 
 
-@njit(cache=CACHE)
+@njit
 def _f16_value(h):
     """The float32 value of the float16 bit pattern ``h`` (exact)."""
     h = np.int64(h)
@@ -120,13 +121,13 @@ def _f16_value(h):
     return np.uint32(bits).view(np.float32)
 
 
-@njit(cache=CACHE)
+@njit
 def _bf16_value(h):
     """The float32 value of the bfloat16 bit pattern ``h`` (exact: its upper half)."""
     return np.uint32((np.int64(h) & 0xFFFF) << 16).view(np.float32)
 
 
-@njit(cache=CACHE)
+@njit
 def _round_f16(v):
     """float32 ``v`` rounded to float16 (nearest, ties to even, subnormals, overflow to inf), as a float32."""
     w = np.int64(np.float32(v).view(np.uint32))
@@ -145,7 +146,7 @@ def _round_f16(v):
     return -q if sign else q
 
 
-@njit(cache=CACHE)
+@njit
 def _round_bf16(v):
     """float32 ``v`` rounded to bfloat16 (nearest, ties to even), as a float32."""
     w = np.int64(np.float32(v).view(np.uint32))
@@ -154,7 +155,7 @@ def _round_bf16(v):
     return np.uint32((w + 0x7FFF + ((w >> 16) & 1)) & 0xFFFF0000).view(np.float32)
 
 
-@njit(cache=CACHE)
+@njit
 def _f16_bits(v):
     """The float16 bit pattern nearest to float32 ``v`` (NaN stays a quiet NaN)."""
     w = np.int64(np.float32(v).view(np.uint32))
@@ -169,7 +170,7 @@ def _f16_bits(v):
     return sign | np.int64(np.rint(np.float64(abs(v)) * 16777216.0))
 
 
-@njit(cache=CACHE)
+@njit
 def _bf16_bits(v):
     """The bfloat16 bit pattern nearest to float32 ``v`` (NaN stays a quiet NaN)."""
     w = np.int64(np.float32(v).view(np.uint32))
@@ -178,7 +179,7 @@ def _bf16_bits(v):
     return ((w + 0x7FFF + ((w >> 16) & 1)) >> 16) & 0xFFFF
 
 
-@njit(cache=CACHE)
+@njit
 def _rounded(v, fmt):
     """``v`` rounded to the compute format ``fmt`` (identity for NATIVE)."""
     if fmt == FLOAT16:
@@ -188,7 +189,7 @@ def _rounded(v, fmt):
     return v
 
 
-@njit(cache=CACHE)
+@njit
 def _entry(x, data_fmt, fmt, scale, scale_value):
     """One stored contribution as it enters the sum: converted to the compute format, then scaled."""
     if data_fmt == FLOAT16:
@@ -207,7 +208,7 @@ def _entry(x, data_fmt, fmt, scale, scale_value):
 # --------------------------------------------------------------------------- operations on one range
 
 
-@njit(cache=CACHE)
+@njit
 def _row_op(kind, row, src, slot, dst, m, data_fmt, fmt, scale, scale_value):
     """LOAD_ROW or ADD_ROW of ``row[src:src+m]`` into ``slot[dst:dst+m]``."""
     a = slot[dst:dst + m]
@@ -227,7 +228,7 @@ def _row_op(kind, row, src, slot, dst, m, data_fmt, fmt, scale, scale_value):
             a[j] = _rounded(a[j] + _entry(x[j], data_fmt, fmt, scale, scale_value), fmt)
 
 
-@njit(cache=CACHE)
+@njit
 def _slot_op(slot, above, off, m, fmt):
     """ADD_SLOT: ``slot[off:off+m] += above[off:off+m]``."""
     a = slot[off:off + m]
@@ -240,7 +241,7 @@ def _slot_op(slot, above, off, m, fmt):
             a[j] = _rounded(a[j] + b[j], fmt)
 
 
-@njit(cache=CACHE)
+@njit
 def _finish(slot, off, m, out, out_off, post_divide, fmt, out_fmt):
     """Divide by ``post_divide`` (unless 0) in the compute format, then store in the output's format."""
     a = slot[off:off + m]
@@ -262,7 +263,7 @@ def _finish(slot, off, m, out, out_off, post_divide, fmt, out_fmt):
 # --------------------------------------------------------------------------- kernels
 
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True)
 def eval_columns(x, col0, starts, stops, progs, groups, ops, prog_off, nslots, tile, compute_like,
                  data_fmt, fmt, scale, scale_value, post_divide, out_fmt, out):
     """Evaluate parts ``[starts[p], stops[p])`` (each at most ``tile`` long) over the columns of ``x``.
@@ -289,7 +290,7 @@ def eval_columns(x, col0, starts, stops, progs, groups, ops, prog_off, nslots, t
             _finish(slots[0], 0, m, out, s, post_divide, fmt, out_fmt)
 
 
-@njit(cache=CACHE)
+@njit
 def stream_row(row, rank, starts, stops, progs, pc, ops, prog_off, slots,
                data_fmt, fmt, scale, scale_value):
     """Advance every part waiting for ``rank`` by its row operation and the slot additions after it.
@@ -314,7 +315,7 @@ def stream_row(row, rank, starts, stops, progs, pc, ops, prog_off, slots,
         pc[p] = i
 
 
-@njit(cache=CACHE)
+@njit
 def needed_ranks(pc, progs, ops, prog_off, world_size):
     """Which ranks some part still waits for."""
     need = np.zeros(world_size, np.bool_)
@@ -324,7 +325,7 @@ def needed_ranks(pc, progs, ops, prog_off, world_size):
     return need
 
 
-@njit(cache=CACHE)
+@njit
 def finish_parts(slot, starts, stops, post_divide, fmt, out_fmt, out):
     """Finish every part's result in ``slot`` (full length) into ``out``."""
     for p in range(starts.size):

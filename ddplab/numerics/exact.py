@@ -30,10 +30,10 @@ import math
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
 
 from ddplab.numerics import _bignum
-from ddplab.numerics._numba_cache import CACHE
+from ddplab.numerics._numba_cache import njit
 from ddplab.numerics._parallel import within_torch_threads
 from ddplab.numerics._rounding import round_scaled, two_prod, two_sum
 from ddplab.numerics.contributions import Contributions, as_contributions
@@ -52,7 +52,7 @@ _MEAN_FAST_MIN = 2.0 ** -960
 _MEAN_FAST_MAX = 2.0 ** 990
 
 
-@njit(cache=CACHE, inline="always")
+@njit(inline="always")
 def _finish_fast(s, divisor, p, emin, emax):
     """RN of s/divisor in (p, emin, emax) when s is the exact float64 sum; NaN asks for the slow path."""
     if divisor == 1:
@@ -68,7 +68,7 @@ def _finish_fast(s, divisor, p, emin, emax):
     return q if p == 53 else round_scaled(q, rem, 0, p, emin, emax)
 
 
-@njit(cache=CACHE, inline="always")
+@njit(inline="always")
 def _parts_fast(s, divisor):
     """(hi, lo) of s/divisor for an exact float64 s; NaN hi asks for the slow path."""
     if divisor == 1 or s == 0.0:
@@ -81,7 +81,7 @@ def _parts_fast(s, divisor):
     return q, ((s - pr) - pe) / divisor
 
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True)
 def _exact_columns(x, divisor, p, emin, emax, parts, out, out_lo):
     """Exact reduction of the columns of x ([W, n], float32 or float64).
 
@@ -135,7 +135,7 @@ def _exact_columns(x, divisor, p, emin, emax, parts, out, out_lo):
                 out[s0 + i] = v
 
 
-@njit(cache=CACHE)
+@njit
 def _stream_add(partials, count, flags, row):
     """Add one rank's row into each element's nonoverlapping partials (Shewchuk, as math.fsum).
 
@@ -174,7 +174,7 @@ def _stream_add(partials, count, flags, row):
         count[i] = k
 
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True)
 def _stream_finish(partials, count, flags, divisor, p, emin, emax, parts, out, out_lo):
     """Round each element's partials (skipping the ones flagged for recomputation)."""
     cap = partials.shape[0]
@@ -214,7 +214,7 @@ def _stream_finish(partials, count, flags, divisor, p, emin, emax, parts, out, o
                 out[i] = _bignum.round_values(vals, k, divisor, p, emin, emax, limbs)
 
 
-@njit(parallel=True, cache=CACHE)
+@njit(parallel=True)
 def _round_pairs(hi, lo, p, emin, emax, out):
     for i in prange(hi.size):
         s, e = two_sum(hi[i], lo[i])

@@ -53,5 +53,5 @@ def test_bad_values_name_the_parameter(given, match):
 
 
 def test_unknown_case_is_named():
-    with pytest.raises(ValueError, match="unknown case 'nope'; known cases: backend_divergence"):
+    with pytest.raises(ValueError, match="unknown case 'nope'; built-in cases: backend_divergence"):
         get_case("nope")

@@ -48,6 +48,23 @@ def _nccl_sum():
     return t[0].item()
 
 
+
+def _run_case(name: str, overrides: dict):
+    """Run a registered case through its Case interface: ``(case, params, records, verdict)``."""
+    from ddplab.cases import get_case
+
+    case = get_case(name)
+    params = case.check_params(overrides)
+    records = case.run(params, progress=False)
+    return case, params, records, case.verdict(records, params)
+
+
+def _verdict_line(verdict) -> str:
+    """The verdict's kind, its key numbers and whether each finding holds, on one line."""
+    numbers = ", ".join(f"{label} {value}" for label, value in verdict.key_table())
+    return (f"{verdict.kind}; {numbers}; "
+            + ", ".join(f"{f.key}={f.holds}" for f in verdict.findings))
+
 def main() -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs: {gpus} "
@@ -64,35 +81,21 @@ def main() -> None:
 
     @check("case 02: CUDA fp16 norm", 1, gpus)
     def _(g):
-        from ddplab.cases import half_precision as case
-        params = case.PARAMETERS.validate({"world_size": 1, "dtypes": ["float16"]})
-        records = case.run(params, progress=False)
+        case, params, records, verdict = _run_case("half_precision", {"world_size": 1, "dtypes": ["float16"]})
         cuda = records[(records["metric"] == "norm") & (records.get("device") == "cuda")]
-        verdict = case.verdict(records, params)
-        return f"CUDA norm {cuda['value'].iloc[0]:.6g}; verdict {verdict.kind}" if len(cuda) else \
-            f"no CUDA norm recorded; verdict {verdict.kind}"
+        norm = f"CUDA norm {cuda['value'].iloc[0]:.6g}" if len(cuda) else "no CUDA norm recorded"
+        return f"{norm}; {_verdict_line(verdict)}"
 
     @check("case 01: live NCCL Ring/Tree", 2, gpus)
     def _(g):
-        from ddplab.cases import get_case
-        case = get_case("backend_divergence")
-        params = case.check_params({
+        return _verdict_line(_run_case("backend_divergence", {
             "world_sizes": sorted({2, min(g, 4)}), "backend": "nccl", "steps": 5,
-            "orders": ["gloo", "nccl_ring", "nccl_tree", "exact", "nccl_live_ring", "nccl_live_tree"]})
-        verdict = case.verdict(case.run(params, progress=False), params)
-        return (f"{verdict.kind} ({verdict.values['evidence']} evidence for live gloo): "
-                + ", ".join(f"{f.key}={f.holds}" for f in verdict.findings))
+            "orders": ["gloo", "nccl_ring", "nccl_tree", "exact", "nccl_live_ring", "nccl_live_tree"]})[3])
 
     @check("case 03: .cpu()/.cuda() round trip", 2, gpus)
     def _(g):
-        from ddplab.cases import get_case
-        case = get_case("device_roundtrip")
-        params = case.check_params({"roundtrip": ["none", "device"], "framework": ["ddp"],
-                                    "steps": 8})
-        verdict = case.verdict(case.run(params, progress=False), params)
-        return (f"{verdict.kind}, buckets per backward after the round trip "
-                f"{verdict.values['buckets_after']}: "
-                + ", ".join(f"{f.key}={f.holds}" for f in verdict.findings))
+        return _verdict_line(_run_case("device_roundtrip", {
+            "roundtrip": ["none", "device"], "framework": ["ddp"], "steps": 8})[3])
 
     width = max(len(r[0]) for r in ROWS)
     print(f"\n{'check':<{width}}  {'status':<8} {'seconds':>8}  result")

@@ -280,3 +280,19 @@ def test_bad_arguments_are_value_errors_before_anything_changes():
 def test_step_advances_when_a_group_reduces_again():
     state = fsdp.FSDPState()
     assert [state.advance(g) for g in (1, 0, 1, 0, 0)] == [0, 0, 1, 1, 2]
+
+
+def test_readme_fsdp_example_runs_verbatim():
+    """The README's FSDP2 example: every shard of every group audited, none off gloo's order."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = text.split("## FSDP2: the reduce-scatter, audited", 1)[1].split("\n## ", 1)[0]
+    namespace: dict = {}
+    exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), namespace)
+    res = namespace["res"]
+    assert res.returns == [0, 0]
+    audited = res.records.query("metric == 'matches_order'")
+    assert set(audited["params"]) == {"0.weight,0.bias", "2.weight,2.bias"}
+    assert (audited["value"] == 1).all() and len(audited) == 3 * 2 * 2   # steps x groups x ranks

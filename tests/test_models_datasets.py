@@ -166,6 +166,42 @@ def test_cifar10_rejects_a_file_in_another_format(tmp_path):
         load_dataset("cifar10", tmp_path)
 
 
+class _RunsCode:
+    """Unpickling this calls ``exec``: what a planted batch file would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def test_cifar10_refuses_a_pickle_that_would_run_code(tmp_path):
+    _write_cifar(tmp_path)
+    marker = tmp_path / "code-ran"
+    with open(tmp_path / "data_batch_3", "wb") as fh:
+        pickle.dump({b"data": _RunsCode(marker), b"labels": [0]}, fh)
+    pickle.loads(pickle.dumps(_RunsCode(marker)))  # the plant works on a plain unpickler ...
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(ValueError, match=r"data_batch_3 is not a CIFAR-10 python batch: "
+                                         r"refusing to load builtins\.exec"):
+        load_dataset("cifar10", tmp_path)
+    assert not marker.exists()  # ... and did not run here
+
+
+def test_cifar10_reads_batches_of_every_pickle_protocol(tmp_path):
+    data = np.arange(2 * 3072, dtype=np.int64).astype(np.uint8).reshape(2, 3072)
+    for protocol in (2, 3, 4, 5):
+        folder = tmp_path / f"p{protocol}"
+        folder.mkdir()
+        with open(folder / "test_batch", "wb") as fh:
+            pickle.dump({b"data": data, b"labels": [3, 4], b"batch_label": b"testing batch 1 of 1",
+                         b"filenames": [b"a.png", b"b.png"]}, fh, protocol=protocol)
+        ds = cifar10(folder, train=False)
+        assert ds.labels.tolist() == [3, 4] and len(ds) == 2
+
+
 def test_unknown_data_set():
     with pytest.raises(ValueError, match="data must be one of"):
         load_dataset("mnist")

@@ -476,9 +476,11 @@ def world_size_limit() -> tuple[int, str]:
         import resource
 
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            soft = -1
     except (ImportError, OSError, ValueError):
         soft = -1
-    if soft > 0 and soft != getattr(resource, "RLIM_INFINITY", -1):
+    if soft > 0:
         by_files = max(1, (soft - FD_RESERVE) // FDS_PER_RANK)
         if by_files < limit:
             limit, why = by_files, f"the open-file limit (ulimit -n) of {soft}"
@@ -1018,7 +1020,8 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", *, args: tu
     without all ranks returning raises :class:`LaunchTimeout`. ``env`` adds
     environment variables for the ranks (e.g. ``{"NCCL_ALGO": "Tree"}``);
     each rank uses ``threads_per_rank`` intra-op threads (default: the cores
-    divided among the ranks).
+    divided among the ranks). Bad arguments raise ValueError before any
+    process starts; ``world_size`` is capped by :func:`world_size_limit`.
     """
     runner = Launch(fn, world_size, backend, args=args, kwargs=kwargs, timeout=timeout,
                     threads_per_rank=threads_per_rank, env=env, on_record=on_record,

@@ -87,7 +87,7 @@ import pathlib, sys
 from ddplab.parameters import ParameterSet
 from ddplab.report import CaseSpec, plan_batch, run_batch
 
-spec = CaseSpec(name="stuck", title="Stuck ranks", seed="none", notebook=pathlib.Path(sys.argv[1]),
+spec = CaseSpec(name="stuck", title="Stuck ranks", notebook=pathlib.Path(sys.argv[1]),
                 parameters=ParameterSet([]))
 outcomes = run_batch(plan_batch([spec]), sys.argv[2], timeout=600)
 print("STATUS", outcomes[0].status, "|", outcomes[0].error, flush=True)

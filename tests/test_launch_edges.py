@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import ddplab
+from ddplab import launcher
 from ddplab.launcher import (MAX_WORLD_SIZE_ENV, Launch, LaunchStopped, RankDied, RankFailed,
                              launch)
 
@@ -257,10 +258,22 @@ def test_a_module_the_rank_cannot_import_is_explained(no_leftovers, tmp_path, mo
     (dict(timeout=1e300), "at most"),
     (dict(on_record=5), "on_record must be callable"),
 ])
-def test_bad_input_is_refused_before_any_process(no_leftovers, kwargs, match):
+def test_bad_input_is_refused_before_any_process(no_leftovers, monkeypatch, kwargs, match):
+    started = []
+
+    def refuse(what):
+        def spy(*args, **kw):
+            started.append(what)
+            raise AssertionError(f"{what} started before the bad input was refused")
+        return spy
+
+    # Structural, not timed: the store and the rank processes are never created.
+    monkeypatch.setattr(launcher._RankProcess, "start", refuse("a rank process"))
+    monkeypatch.setattr(launcher, "_loopback_store", refuse("the rendezvous store"))
     before = psutil.Process().children(recursive=True)
     with pytest.raises(ValueError, match=match):
         launch(lambda: 1, **{"world_size": 2, **kwargs})
+    assert started == []
     assert psutil.Process().children(recursive=True) == before
 
 
@@ -300,6 +313,7 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # three fresh interpreters import torch side by side: about 30 s on 2 cores
 def test_launch_from_stdin_dash_c_and_an_unguarded_script(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(PROGRAM)  # no `if __name__ == "__main__":`

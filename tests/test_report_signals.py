@@ -180,3 +180,51 @@ def test_a_killed_kernel_leaves_no_temporary_folders(tmp_path, scratch, monkeypa
     assert _alive(_rank_pids([markers / "rank0", markers / "rank1"])) == []
     assert pathlib.Path((markers / "tmpdir").read_text()).parent == scratch  # the kernel's own folder ...
     assert list(scratch.iterdir()) == []  # ... is gone, with ddplab-launch-* and pymp-* in it
+
+
+def _ranks_running(root: psutil.Process) -> list[psutil.Process]:
+    """Processes forked by a forkserver below ``root``: the ranks of a running launch."""
+    found = []
+    for p in root.children(recursive=True):
+        try:
+            if "forkserver" in " ".join(p.parent().cmdline()) and "forkserver" in " ".join(p.cmdline()):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
+            pass
+    return found
+
+
+@pytest.mark.slow  # a real case notebook: kernel, forkserver and ranks start first (10-30 s)
+def test_sigterm_to_ddplab_report_stops_a_builtin_case(tmp_path, scratch):
+    out = tmp_path / "reports"
+    env = {**os.environ, "TMPDIR": str(scratch),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([PY, "-m", "ddplab", "report", "backend_divergence", "--quick",
+                             "--output", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    tree: set[int] = set()
+    try:
+        me = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 180
+        while not _ranks_running(me):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no rank started within 180 s"
+            time.sleep(0.05)
+        # papermill, the kernel, its forkserver, the ranks (and the resource tracker).
+        tree = {p.pid for p in me.children(recursive=True)}
+        kinds = " ".join(" ".join(psutil.Process(p).cmdline()) for p in tree if psutil.pid_exists(p))
+        assert "papermill" in kinds and "ipykernel" in kinds and "forkserver" in kinds
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, output
+        assert _alive(tree) == [], [psutil.Process(p).cmdline() for p in _alive(tree)]
+        index = json.loads((out / "index.json").read_text())
+        assert [(c["name"], c["status"]) for c in index["cases"]] == [("backend_divergence", "interrupted")]
+        assert "stopped by SIGTERM" in index["cases"][0]["error"]
+        assert not [p.name for p in (out / "backend_divergence").iterdir() if p.name.startswith(".")]
+        assert list(scratch.iterdir()) == []  # the run's TMPDIR (pymp-*, ddplab-launch-*) is gone
+    finally:
+        proc.kill()
+        proc.communicate()
+        for pid in _alive(tree):
+            psutil.Process(pid).kill()

@@ -94,6 +94,7 @@ print("STATUS", outcomes[0].status, "|", outcomes[0].error, flush=True)
 """
 
 
+@pytest.mark.slow  # papermill, a kernel and a launch start first: 5-25 s on 2 cores
 def test_sigterm_stops_the_whole_tree_and_the_index_says_interrupted(tmp_path, scratch):
     markers = tmp_path / "markers"
     markers.mkdir()

@@ -9,9 +9,21 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 __all__ = ["main", "build_parser"]
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (``nan`` would mean no timeout at all)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 def _cmd_report(opts) -> int:
@@ -79,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--output", default="reports", help="output folder (default: reports)")
     report.add_argument("--no-input", action="store_true",
                         help="hide code cells in the HTML (outputs and tracebacks stay)")
-    report.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    report.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT,
                         help=f"seconds per notebook before it is stopped (default {DEFAULT_TIMEOUT:g})")
     report.set_defaults(func=_cmd_report)
     run = sub.add_parser("run", help="run a case on this rank (start it with torchrun)",
@@ -91,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                      help="set a case parameter")
     run.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    run.add_argument("--timeout", type=float, default=1800.0,
+    run.add_argument("--timeout", type=_seconds, default=1800.0,
                      help="seconds any collective may wait for a peer (default 1800)")
     run.set_defaults(func=_cmd_run)
     new = sub.add_parser("new-notebook", help="write the notebook of a case (its parameters cell "

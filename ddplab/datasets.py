@@ -12,7 +12,9 @@ roughly do). Order: scikit-learn's file order, never shuffled.
 ``data_root/cifar-10-batches-py``): ``data_batch_1`` .. ``data_batch_5``
 for training, ``test_batch`` for testing, each a pickled dict with
 ``b"data"`` (N×3072 uint8, the red, green and blue planes of a 32×32 image
-in turn) and ``b"labels"``. Each image becomes ``[3, 32, 32]``,
+in turn) and ``b"labels"``. The files are unpickled with a restricted
+unpickler that admits only plain data and numpy arrays: a planted batch
+file cannot run code. Each image becomes ``[3, 32, 32]``,
 ``(x/255 − mean)/std`` with the report's mean (0.4914, 0.4822, 0.4465) and
 std (0.2023, 0.1994, 0.2010). The report's ``CenterCrop(32)`` is the
 identity at 32×32 and is therefore not applied. The report ran with float64
@@ -36,7 +38,7 @@ import torch
 from torch.utils.data import Dataset
 
 __all__ = ["DATASETS", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_TRAIN_FILES", "CIFAR10_TEST_FILE",
-           "ImageDataset", "digits", "cifar10", "check_cifar10", "load_dataset"]
+           "CIFAR10_PICKLE_GLOBALS", "ImageDataset", "digits", "cifar10", "check_cifar10", "load_dataset"]
 
 #: Data set names :func:`load_dataset` accepts.
 DATASETS = ("digits", "cifar10")
@@ -47,6 +49,16 @@ CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_FILE = "test_batch"
 #: The folder the official CIFAR-10 python archive unpacks to.
 CIFAR10_FOLDER = "cifar-10-batches-py"
+#: The only globals a CIFAR-10 batch may name: numpy's array and dtype
+#: rebuilders (under numpy 1's and numpy 2's module names) and the codec that
+#: protocol-2 pickles written by Python 3 use for bytes. Anything else -- a
+#: function the pickle would call while loading -- is refused.
+CIFAR10_PICKLE_GLOBALS = frozenset({
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+    ("_codecs", "encode"),
+})
 
 
 class ImageDataset(Dataset):
@@ -127,9 +139,28 @@ def _cifar_dir(data_root) -> pathlib.Path:
     return root
 
 
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, bytes, strings, numbers and numpy arrays; nothing that runs code."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in CIFAR10_PICKLE_GLOBALS:
+            raise pickle.UnpicklingError(
+                f"refusing to load {module}.{name}: a CIFAR-10 batch holds only dicts, lists, "
+                f"bytes, strings, numbers and numpy arrays")
+        try:
+            return super().find_class(module, name)
+        except ImportError:  # numpy 1 reading numpy 2's module names, or the reverse
+            swapped = (module.replace("numpy._core", "numpy.core") if "numpy._core" in module
+                       else module.replace("numpy.core", "numpy._core"))
+            return super().find_class(swapped, name)
+
+
 def _read_batch(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
-    with open(path, "rb") as fh:
-        batch = pickle.load(fh, encoding="bytes")
+    try:
+        with open(path, "rb") as fh:
+            batch = _BatchUnpickler(fh, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        raise ValueError(f"{path} is not a CIFAR-10 python batch: {exc}") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise ValueError(f"{path} is not a CIFAR-10 python batch (a pickled dict with b'data' "
                          f"and b'labels')")

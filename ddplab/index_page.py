@@ -1,7 +1,7 @@
 """The batch's front pages: reports/index.html and each case's Markdown summary.
 
 The index lists every case with its status (ok / failed / timed out / kernel
-died), verdict, run time and links; the summary is what gets pasted into an
+died / interrupted), verdict, run time and links; the summary is what gets pasted into an
 issue thread: the verdict table with the key figure beside it as a PNG.
 """
 from __future__ import annotations
@@ -97,6 +97,7 @@ th, td { border-bottom: 1px solid #ddd; padding: 6px 10px; text-align: left; ver
 th { background: #f5f5f5; }
 .status { padding: 2px 8px; border-radius: 4px; color: #fff; font-weight: bold; white-space: nowrap; }
 .ok { background: #2e7d32; } .failed, .kernel-died { background: #c62828; } .timed-out { background: #ef6c00; }
+.interrupted { background: #616161; }
 img.thumb { max-width: 260px; border: 1px solid #ddd; }
 .muted { color: #777; font-size: 90%; }
 """

@@ -15,7 +15,13 @@ Why the machinery:
 * ``fn`` is pickled by value (cloudpickle), so functions and lambdas defined
   in a notebook or ``__main__`` work.
 * Each launch gets its own TCPStore on an OS-chosen port, so concurrent
-  launches never share a rendezvous.
+  launches never share a rendezvous. The store is unauthenticated, so it
+  listens on 127.0.0.1 only (multi-machine runs go through torchrun).
+* Ranks do not re-run the parent's ``__main__`` (multiprocessing's default):
+  launching works from ``python -``, ``python -c`` and scripts without an
+  ``if __name__ == "__main__":`` guard.
+* Each rank leads its own process group, so stopping a launch also stops
+  what a rank started, even after the rank itself exited.
 * The parent waits on one pipe per rank and on the process sentinels at once:
   an exception, a death by signal or a hang is seen the moment it happens,
   every rank is stopped, and records emitted before the failure are kept on
@@ -37,11 +43,18 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
+import io
+import math
 import multiprocessing
 import multiprocessing.connection as mpc
+import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
+import multiprocessing.spawn
 import multiprocessing.util
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -57,6 +70,8 @@ from ddplab.rank import check_backend
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_TIMEOUT",
+    "MAX_WORLD_SIZE_ENV",
     "launch",
     "Launch",
     "LaunchResult",
@@ -67,10 +82,25 @@ __all__ = [
     "LaunchStopped",
     "observe",
     "stop_all",
+    "world_size_limit",
 ]
 
 #: Seconds before a launch is declared hung; far below gloo's 30-minute default.
 DEFAULT_TIMEOUT = 300.0
+#: The longest timeout accepted (30 days): gloo and the store keep timeouts as
+#: integer milliseconds, and longer is no timeout at all in practice.
+MAX_TIMEOUT = 30 * 24 * 3600.0
+#: Ranks per CPU core a launch may start: each rank is a process with its own
+#: torch; far beyond this a launch only time-slices (and a typo like 10_000
+#: would fork that many processes).
+MAX_RANKS_PER_CPU = 32
+#: File descriptors each rank costs the parent (result pipe, lifeline, the
+#: exit-status pipe and its duplicate, a store connection) and a reserve for
+#: everything else, for the limit the open-file limit sets.
+FDS_PER_RANK = 5
+FD_RESERVE = 256
+#: Environment variable that overrides :func:`world_size_limit`.
+MAX_WORLD_SIZE_ENV = "DDPLAB_MAX_WORLD_SIZE"
 #: Grace given to a rank between SIGTERM and SIGKILL when stopping a launch.
 STOP_GRACE = 1.0
 #: After a first failure, how long to keep listening before naming the cause:
@@ -199,10 +229,66 @@ class LaunchStopped(LaunchError):
 # --------------------------------------------------------------------------- child side
 
 
+def _exception_text(exc: BaseException) -> str:
+    """``str(exc)``, never raising: ``sys.exit()`` and an exception whose
+    ``__str__`` raises still say what happened."""
+    if isinstance(exc, SystemExit):
+        return f"sys.exit({exc.code!r})"
+    try:
+        return str(exc)
+    except Exception as err:  # noqa: BLE001 - the message is what failed
+        return f"<its __str__ raised {type(err).__name__}>"
+
+
+def _load_payload(payload: bytes):
+    """``(fn, args, kwargs)`` as the parent pickled them, or a clear error.
+
+    cloudpickle sends functions of ``__main__`` and of notebooks by value,
+    but functions of importable modules by reference: the rank must import
+    that module by name.
+    """
+    try:
+        return cloudpickle.loads(payload)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the reason
+        raise RuntimeError(
+            f"fn or its arguments could not be rebuilt in the rank ({type(exc).__name__}: "
+            f"{_exception_text(exc)}). Objects from importable modules travel by reference and "
+            f"the rank imports them by name: put the module on sys.path, or call "
+            f"cloudpickle.register_pickle_by_value(module) before launching to send it by value"
+        ) from exc
+
+
+#: The kernel's "this task is exiting" flag in /proc/<pid>/stat (set before
+#: the task's sockets close, so a peer that sees a closed connection sees it).
+_PF_EXITING = 0x4
+
+
+def _dead_peers(pids: list[int]) -> list[int]:
+    """Ranks (indices into ``pids``) whose process is exiting or gone."""
+    dead = []
+    for rank, pid in enumerate(pids):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            if fields[0] in (b"Z", b"X") or int(fields[6]) & _PF_EXITING:
+                dead.append(rank)
+        except FileNotFoundError:
+            dead.append(rank)
+        except (OSError, IndexError, ValueError):
+            pass  # no /proc here: nothing known
+    return dead
+
+
 def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: int,
                conn, lifeline, out_path: str, err_path: str, threads: int,
                environ: dict, sys_path: list, cwd: str, collective_timeout: float) -> None:
     """Entry point of a rank process (runs in a child of the forkserver)."""
+    # Lead a process group of our own: whatever this rank starts shares it,
+    # so the parent can stop all of it, even once this rank has exited.
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     # Capture at the file-descriptor level so C++ output (gloo, NCCL) lands too.
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -222,13 +308,19 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
     except OSError:
         pass
 
+    peers: list[int] = []  # every rank's pid, once all have started
+
     def _watch_parent() -> None:
-        # The parent never writes to the lifeline: EOF means it is gone, and an
-        # orphaned rank must not wait in a collective for 30 minutes.
+        # The parent writes the ranks' pids once, then nothing: EOF means it is
+        # gone, and an orphaned rank must not wait in a collective for 30
+        # minutes -- nor leave behind what it started.
         try:
-            lifeline.recv()
+            while True:
+                peers[:] = lifeline.recv()
         except (EOFError, OSError):
             pass
+        if os.getpgid(0) == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(70)
 
     threading.Thread(target=_watch_parent, name="ddplab-lifeline", daemon=True).start()
@@ -251,20 +343,27 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=collective_timeout))
         setup_rank(rank, world_size, backend, store=store, timeout=collective_timeout)
-        fn, args, kwargs = cloudpickle.loads(payload)
+        fn, args, kwargs = _load_payload(payload)
         value = fn(*args, **kwargs)
         try:
             blob = cloudpickle.dumps(value)
         except Exception as exc:  # noqa: BLE001 - reported to the parent verbatim
-            raise TypeError(f"rank {rank}'s return value could not be pickled: {exc}") from exc
+            raise TypeError(f"rank {rank}'s return value could not be pickled: "
+                            f"{_exception_text(exc)}") from exc
         _send(("result", blob))
         teardown_rank()
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        failed_at = time.time()
+        # Peers already dead by now failed first: this error may be their consequence.
+        dead = [r for r in _dead_peers(list(peers)) if r != rank]
         code = 1
-        tb = traceback.format_exc()
         try:
-            _send(("error", {"type": type(exc).__name__, "message": str(exc), "traceback": tb,
-                             "time": time.time()}))
+            tb = traceback.format_exc()
+        except Exception:  # noqa: BLE001 - a traceback that cannot be formatted
+            tb = f"{type(exc).__name__} (its traceback could not be formatted)"
+        try:
+            _send(("error", {"type": type(exc).__name__, "message": _exception_text(exc),
+                             "traceback": tb, "time": failed_at, "dead_peers": dead}))
         except Exception:  # noqa: BLE001 - the pipe may be gone with the parent
             pass
     finally:
@@ -290,18 +389,182 @@ def _context():
     return ctx
 
 
-def _validate(fn, world_size, backend, timeout, args, kwargs):
+class _RankPopen(multiprocessing.popen_forkserver.Popen):
+    """The forkserver's Popen, minus the re-run of the parent's ``__main__``.
+
+    multiprocessing tells each child to re-run the parent's main script (or
+    re-import its main module) so that pickled references into it resolve.
+    A rank needs none of that -- ``fn`` travels by value -- and the re-run
+    breaks launches from ``python -`` (there is no file to run) and from
+    scripts without an ``if __name__ == "__main__":`` guard (every rank would
+    launch again). The steps are the standard library's ``_launch``
+    (unchanged from 3.10 to 3.14); only the preparation data differ.
+    """
+
+    def _launch(self, process_obj):
+        from multiprocessing.context import reduction, set_spawning_popen
+
+        prep_data = multiprocessing.spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_name", None)
+        prep_data.pop("init_main_from_path", None)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = multiprocessing.forkserver.connect_to_new_process(self._fds)
+        # The child watches a duplicate of the data pipe's write end to see the parent go.
+        parent_w = os.dup(w)
+        self.finalizer = multiprocessing.util.Finalize(
+            self, multiprocessing.util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+
+
+class _RankProcess(multiprocessing.context.ForkServerProcess):
+    """A forkserver process started by :class:`_RankPopen`."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _RankPopen(process_obj)
+
+
+def _loopback_store(world_size: int, timeout: float):
+    """A master TCPStore that accepts connections on 127.0.0.1 only.
+
+    Given only a port, TCPStore binds every interface (``::``, else
+    ``0.0.0.0``) and serves keys to anyone who connects: no authentication.
+    Handed a socket already bound to loopback (``master_listen_fd``), it
+    listens on that socket and nowhere else. The store owns the descriptor
+    from then on and closes it with itself.
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout),
+                         master_listen_fd=sock.detach())
+
+
+def world_size_limit() -> tuple[int, str]:
+    """The most ranks one launch may start on this machine, and why.
+
+    :data:`MAX_RANKS_PER_CPU` per CPU core, fewer where the open-file limit
+    cannot hold them; the environment variable :data:`MAX_WORLD_SIZE_ENV`
+    overrides both.
+    """
+    override = os.environ.get(MAX_WORLD_SIZE_ENV)
+    if override is not None:
+        try:
+            value = int(override)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{MAX_WORLD_SIZE_ENV} must be a positive integer, got {override!r}")
+        return value, f"set by {MAX_WORLD_SIZE_ENV}"
+    cpus = os.cpu_count() or 1
+    limit, why = MAX_RANKS_PER_CPU * cpus, f"{MAX_RANKS_PER_CPU} per CPU core x {cpus} core(s)"
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            soft = -1
+    except (ImportError, OSError, ValueError):
+        soft = -1
+    if soft > 0:
+        by_files = max(1, (soft - FD_RESERVE) // FDS_PER_RANK)
+        if by_files < limit:
+            limit, why = by_files, f"the open-file limit (ulimit -n) of {soft}"
+    return limit, why
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate(fn, world_size, backend, timeout, args, kwargs, threads_per_rank, env,
+              on_record, progress) -> dict[str, str]:
+    """Raise ValueError for any bad argument (before a process starts); return ``env`` as strings."""
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    limit, why = world_size_limit()
+    if world_size > limit:
+        raise ValueError(
+            f"world_size={world_size} is more than this machine runs: at most {limit} ranks "
+            f"({why}). Every rank is a process with its own torch; beyond that a launch only "
+            f"thrashes or runs out of file descriptors. Set {MAX_WORLD_SIZE_ENV}=N to allow more")
     check_backend(backend, world_size)
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout)
+            or not 0 < timeout <= MAX_TIMEOUT):
+        raise ValueError(f"timeout must be a positive number of seconds, finite and at most "
+                         f"{MAX_TIMEOUT:g} (30 days), got {timeout!r}")
     if not isinstance(args, (tuple, list)):
         raise ValueError(f"args must be a tuple or list, got {type(args).__name__}")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise ValueError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+        bad = [k for k in kwargs if not isinstance(k, str)]
+        if bad:
+            raise ValueError(f"kwargs keys must be strings (they become keyword arguments), got {bad[0]!r}")
+    if threads_per_rank is not None and (not _is_int(threads_per_rank) or threads_per_rank < 1):
+        raise ValueError(f"threads_per_rank must be an int >= 1 or None (the cores divided among "
+                         f"the ranks), got {threads_per_rank!r}")
+    if on_record is not None and not callable(on_record):
+        raise ValueError(f"on_record must be callable or None, got {type(on_record).__name__}")
+    if progress is not None and (not _is_int(progress) or progress < 1):
+        raise ValueError(f"progress must be the expected number of steps (int >= 1), got {progress!r}")
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise ValueError(f"env must be a dict of environment variables, got {type(env).__name__}")
+    checked = {}
+    for name, value in env.items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            raise ValueError(f"env: {name!r} is not an environment variable name "
+                             f"(a non-empty string without '=' or NUL)")
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(f"env[{name!r}] must be a string (or a number), got {value!r}")
+        value = str(value)
+        if "\0" in value:
+            raise ValueError(f"env[{name!r}] contains a NUL character")
+        checked[name] = value
+    return checked
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold Ctrl-C (SIGINT) until the block ends, then deliver it.
+
+    Killing the ranks must not be cut short by an impatient second Ctrl-C:
+    a rank that handles SIGTERM would then outlive the launch. Only the
+    main thread can receive KeyboardInterrupt, so elsewhere nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # ignored, default or set outside Python: nothing to hold
+        yield
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        previous(*held[0])
 
 
 def _tail(text: str, lines: int) -> str:
@@ -333,9 +596,8 @@ class Launch:
                  env: dict[str, str] | None = None,
                  on_record: Callable[[dict], None] | None = None,
                  progress: int | None = None, progress_desc: str | None = None):
-        _validate(fn, world_size, backend, timeout, args, kwargs)
-        if progress is not None and (not isinstance(progress, int) or progress < 1):
-            raise ValueError(f"progress must be the expected number of steps (int >= 1), got {progress!r}")
+        env = _validate(fn, world_size, backend, timeout, args, kwargs, threads_per_rank, env,
+                        on_record, progress)
         try:
             self._payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
         except Exception as exc:  # noqa: BLE001
@@ -346,7 +608,7 @@ class Launch:
         self.timeout = float(timeout)
         cpus = os.cpu_count() or 1
         self.threads_per_rank = threads_per_rank or max(1, cpus // world_size)
-        self.env = {k: str(v) for k, v in (env or {}).items()}
+        self.env = env
         self.on_record = on_record
         self.progress = progress
         self.progress_desc = progress_desc or self.fn_name
@@ -359,26 +621,24 @@ class Launch:
         self._records: list[dict] = []
         self._returns: list = [None] * world_size
         self._returned: set[int] = set()
+        self._closed_at: dict[int, float] = {}
         self._last_record: dict[int, dict] = {}
         self._failures: list[dict] = []
         self._t0 = 0.0
         self._stop_requested = threading.Event()
+        self._started_ranks: set[int] = set()
         self._bar = None
 
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> "Launch":
         """Start every rank and return immediately."""
-        import torch.distributed as dist
-
         ctx = _context()
         self._t0 = time.perf_counter()
         self._tmpdir = tempfile.TemporaryDirectory(prefix="ddplab-launch-")
         # The parent hosts this launch's store on a port the OS picks: no two
         # launches can ever meet at the same rendezvous.
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
-                                    wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=self.timeout + 60))
+        self._store = _loopback_store(self.world_size + 1, self.timeout + 60)
         port = self._store.port
         self._stop_r, self._stop_w = ctx.Pipe(duplex=False)
         environ = {**os.environ, **self.env}
@@ -388,7 +648,7 @@ class Launch:
                 life_r, life_w = ctx.Pipe(duplex=False)
                 out_path = os.path.join(self._tmpdir.name, f"rank{rank}.out")
                 err_path = os.path.join(self._tmpdir.name, f"rank{rank}.err")
-                proc = ctx.Process(
+                proc = _RankProcess(
                     target=_rank_main, name=f"ddplab-rank{rank}",
                     args=(self._payload, rank, self.world_size, self.backend, port,
                           send_end, life_r, out_path, err_path, self.threads_per_rank,
@@ -400,6 +660,14 @@ class Launch:
                 self._procs.append(proc)
                 self._conns.append(recv_end)
                 self._lifelines.append(life_w)
+            # Each rank learns its peers' pids, to tell later whether it failed
+            # after one of them had died.
+            pids = [p.pid for p in self._procs]
+            for life_w in self._lifelines:
+                try:
+                    life_w.send(pids)
+                except OSError:
+                    pass  # that rank is already gone; the loop will say so
         except BaseException:
             self._shutdown()
             raise
@@ -446,7 +714,15 @@ class Launch:
                 self._bar.update(max(0, min(self.progress, body["step"] + 1) - self._bar.n))
                 self._bar.set_postfix_str(f"{body['metric']}={body['value']:.6g}", refresh=False)
         elif kind == "result":
-            self._returns[rank] = cloudpickle.loads(body)
+            try:
+                value = cloudpickle.loads(body)
+            except Exception as exc:  # noqa: BLE001 - the rank's value, the launch's failure
+                self._failures.append({
+                    "kind": "unpickle", "rank": rank, "time": time.time(), "seen": time.perf_counter(),
+                    "info": {"type": type(exc).__name__, "message": _exception_text(exc),
+                             "traceback": traceback.format_exc()}})
+                return
+            self._returns[rank] = value
             self._returned.add(rank)
         elif kind == "error":
             self._failures.append({"kind": "error", "rank": rank, "time": body.get("time", time.time()),
@@ -481,6 +757,9 @@ class Launch:
             if remaining <= 0:
                 self._fail_timeout()
             ready = mpc.wait(waitables, timeout=max(0.0, min(remaining, 1.0, grace_end - now)))
+            # When a rank dies, its end of the pipe closes at once; the exit status
+            # comes later, through the forkserver. The earlier clock dates the death.
+            woke_at = time.time()
             if self._stop_requested.is_set():
                 self._fail_stopped()
             for obj in ready:
@@ -492,9 +771,10 @@ class Launch:
                     # Messages sent just before exit may still sit in the pipe.
                     self._drain(rank)
                     open_conns.discard(id(self._conns[rank]))
-                    errored = any(f["rank"] == rank for f in self._failures)
-                    if rank not in self._returned and not errored:
-                        self._failures.append({"kind": "death", "rank": rank, "time": time.time(),
+                    failed = any(f["rank"] == rank for f in self._failures)
+                    if rank not in self._returned and not failed:
+                        self._failures.append({"kind": "death", "rank": rank,
+                                               "time": self._closed_at.get(rank, woke_at),
                                                "seen": time.perf_counter(),
                                                "code": self._procs[rank].exitcode})
                     continue
@@ -503,6 +783,7 @@ class Launch:
                     msg = obj.recv()
                 except (EOFError, OSError):
                     open_conns.discard(id(obj))
+                    self._closed_at.setdefault(rank, woke_at)
                     continue
                 self._handle(rank, msg)
 
@@ -513,7 +794,7 @@ class Launch:
         return self._result()
 
     @staticmethod
-    def _death_text(code: int | None) -> str:
+    def _death_text(code: int | None, started: bool = True) -> str:
         if code is not None and code < 0:
             try:
                 return f"was killed by {signal.Signals(-code).name}"
@@ -521,38 +802,68 @@ class Launch:
                 return f"was killed by signal {-code}"
         if code == 70:
             return "exited because its parent went away"
-        return f"exited with code {code} without returning"
+        if not started:
+            # No output file: the process ended before ddplab's rank code ran,
+            # and its traceback (if any) went to the forkserver's stderr.
+            return (f"exited with code {code} before ddplab's rank code started (nothing was "
+                    f"captured; look in the stderr of the process that launched)")
+        return f"exited with code {code} without returning or raising"
+
+    @staticmethod
+    def _failure_text(failure: dict, started: bool = True, brief: bool = False) -> str:
+        """What a failure was: "raised T: message", "called sys.exit(2)", ..."""
+        if failure["kind"] == "death":
+            return Launch._death_text(failure["code"], started)
+        info = failure["info"]
+        message = info["message"]
+        if brief:
+            message = (message.splitlines() or [""])[0][:200]
+        if failure["kind"] == "unpickle":
+            return (f"returned a value this process cannot unpickle ({info['type']}"
+                    + (f": {message})" if message else ")"))
+        if info["type"] == "SystemExit":
+            return f"called {message}"
+        return f"raised {info['type']}" + (f": {message}" if message else "")
 
     def _raise_failure(self) -> None:
         """Stop everything and raise for the failure that caused the others.
 
-        A death comes first (a rank is never killed by a peer's error; peers
-        fail *because* it died); among exceptions, the earliest by the ranks' clocks.
+        The cause is the earliest failure in time, whatever its kind: a rank
+        that raised (dated by its own clock), died (dated by when its pipe
+        closed) or returned a value this process cannot unpickle. Peers fail
+        *after* it, in their next collective, or exit when an error handler
+        (NCCL's async error handling) tears them down. Clocks alone cannot
+        order a death and the error it causes a millisecond later, so an
+        error raised when a failed peer was already dead ranks after it.
         """
-        deaths = [f for f in self._failures if f["kind"] == "death"]
-        cause = min(deaths or self._failures, key=lambda f: f["time"])
+        failed = {f["rank"] for f in self._failures}
+        first = [f for f in self._failures
+                 if not set(f.get("info", {}).get("dead_peers", ())) & (failed - {f["rank"]})]
+        cause = min(first or self._failures, key=lambda f: f["time"])
         others = [f for f in self._failures if f is not cause]
         result = self._partial()
         rank = cause["rank"]
-        if cause["kind"] == "death":
-            message = f"rank {rank} of {self.world_size} {self._death_text(cause['code'])}"
-        else:
-            info = cause["info"]
-            message = (f"rank {rank} of {self.world_size} raised {info['type']}: {info['message']}\n"
-                       f"--- remote traceback (rank {rank}) ---\n{info['traceback'].rstrip()}")
+        started = self._output_started(rank)
+        message = f"rank {rank} of {self.world_size} {self._failure_text(cause, started)}"
+        if cause["kind"] == "error":
+            message += f"\n--- remote traceback (rank {rank}) ---\n{cause['info']['traceback'].rstrip()}"
+        elif cause["kind"] == "unpickle":
+            message += (f"\n--- traceback (unpickling rank {rank}'s return value here) ---\n"
+                        f"{cause['info']['traceback'].rstrip()}")
         err_tail = _tail(result.stderr[rank], 15)
         if err_tail.strip():
             message += f"\n--- rank {rank} stderr (last lines) ---\n{err_tail}"
         if others:
-            lines = []
-            for f in sorted(others, key=lambda f: f["rank"]):
-                what = (self._death_text(f["code"]) if f["kind"] == "death" else
-                        f"raised {f['info']['type']}: {f['info']['message'].splitlines()[0][:200]}")
-                lines.append(f"  rank {f['rank']} {what}")
+            lines = [f"  rank {f['rank']} {self._failure_text(f, brief=True)}"
+                     for f in sorted(others, key=lambda f: f["time"])]
             message += "\n--- then, as a consequence ---\n" + "\n".join(lines)
         if cause["kind"] == "death":
             raise RankDied(message, result, rank, cause["code"])
         raise RankFailed(message, result, rank, cause["info"]["type"], cause["info"]["traceback"])
+
+    def _output_started(self, rank: int) -> bool:
+        """Whether rank ``rank`` got as far as creating its output files."""
+        return rank in self._started_ranks
 
     def _fail_timeout(self) -> None:
         pending = [r for r in range(self.world_size) if r not in self._returned]
@@ -593,19 +904,47 @@ class Launch:
     # -- teardown -----------------------------------------------------------------------
 
     def _shutdown(self) -> None:
-        """Stop every rank and its children; idempotent."""
+        """Stop every rank and everything it started; idempotent.
+
+        Ranks get SIGTERM and :data:`STOP_GRACE` seconds, then SIGKILL goes to
+        each rank's process group -- which still holds the children of a rank
+        that already exited -- and to descendants that left the group. A
+        second Ctrl-C skips the grace period, never the kill.
+        """
         with _active_lock:
             _active.discard(self)
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         procs = [p for p in self._procs if p.pid is not None]
-        alive = [p for p in procs if p.exitcode is None]
-        if alive:
-            from ddplab.process_tree import descendants, kill_all
+        family: list = []
+        interrupted = None
+        try:
+            family = self._stop_gently(procs)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+        with _sigint_deferred():
+            self._kill(procs, family)
+            for c in self._lifelines + self._conns:
+                c.close()
+            self._lifelines = []
+            for end in (self._stop_r, self._stop_w):
+                if end is not None:
+                    end.close()
+            self._stop_r = self._stop_w = None
+            self._store = None
+        if interrupted is not None:
+            raise interrupted
 
-            # Ranks may have children of their own (DataLoader workers): take them too.
-            family = [child for p in alive for child in descendants(p.pid)]
+    def _stop_gently(self, procs: list) -> list:
+        """SIGTERM the live ranks and wait up to STOP_GRACE; return their descendants."""
+        from ddplab.process_tree import descendants
+
+        alive = [p for p in procs if p.exitcode is None]
+        # Ranks may have children of their own (DataLoader workers); once a rank
+        # is gone they are re-parented and no longer found from it.
+        family = [child for p in alive for child in descendants(p.pid)]
+        if alive:
             # A rank that already sent its result is finishing on its own.
             deadline = time.perf_counter() + (0.5 if len(self._returned) == self.world_size else 0.0)
             for p in alive:
@@ -616,30 +955,37 @@ class Launch:
             deadline = time.perf_counter() + STOP_GRACE
             for p in alive:
                 p.join(max(0.0, deadline - time.perf_counter()))
-            for p in alive:
-                if p.exitcode is None:
-                    p.kill()
-                    p.join(5)
-            kill_all(family, timeout=5)
+        return family
+
+    @staticmethod
+    def _kill(procs: list, family: list) -> None:
+        """SIGKILL every rank, its process group and ``family``; reap the ranks."""
+        import psutil
+
+        from ddplab.process_tree import kill_all, kill_group
+
+        for p in procs:
+            # Once the rank is reaped its pid is free: if a process holds it
+            # now, it is a stranger (the group of a pid still in use as a
+            # group id cannot be reused, so the group would be empty anyway).
+            if p.exitcode is None or not psutil.pid_exists(p.pid):
+                kill_group(p.pid)
+            if p.exitcode is None:
+                p.kill()
+        kill_all(family, timeout=5)
         for p in procs:
             p.join(5)
-        for c in self._lifelines + self._conns:
-            c.close()
-        self._lifelines = []
-        for end in (self._stop_r, self._stop_w):
-            if end is not None:
-                end.close()
-        self._stop_r = self._stop_w = None
-        self._store = None
 
     def _read_outputs(self) -> tuple[list[str], list[str]]:
         outs, errs = [], []
+        self._started_ranks = set()
         for rank in range(self.world_size):
             for dest, ext in ((outs, "out"), (errs, "err")):
                 path = os.path.join(self._tmpdir.name, f"rank{rank}.{ext}") if self._tmpdir else ""
                 try:
                     with open(path, errors="replace") as fh:
                         dest.append(fh.read())
+                    self._started_ranks.add(rank)
                 except OSError:
                     dest.append("")
         return outs, errs
@@ -674,7 +1020,8 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", *, args: tu
     without all ranks returning raises :class:`LaunchTimeout`. ``env`` adds
     environment variables for the ranks (e.g. ``{"NCCL_ALGO": "Tree"}``);
     each rank uses ``threads_per_rank`` intra-op threads (default: the cores
-    divided among the ranks).
+    divided among the ranks). Bad arguments raise ValueError before any
+    process starts; ``world_size`` is capped by :func:`world_size_limit`.
     """
     runner = Launch(fn, world_size, backend, args=args, kwargs=kwargs, timeout=timeout,
                     threads_per_rank=threads_per_rank, env=env, on_record=on_record,

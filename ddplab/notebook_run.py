@@ -6,27 +6,53 @@ So the outcome is judged from the exit code, our own clock and the cells'
 papermill status -- never from the notebook's look. Papermill saves the
 output notebook after every cell, so a killed run still leaves the cells
 that finished, and the one that was running is named in the outcome.
+
+A :class:`StopRequest` (set by SIGINT, SIGTERM or SIGHUP while
+:meth:`StopRequest.catching` is active) ends the run the same way: the whole
+process tree is killed and the outcome is "interrupted". Each run gets a
+temporary folder of its own as ``TMPDIR``, removed afterwards, so a killed
+kernel leaves none of its temporary files (the launcher's rank outputs,
+multiprocessing's ``pymp-*``) behind.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from typing import Callable
 
 import yaml
 
-from ddplab.process_tree import kill_tree
+from ddplab.process_tree import descendants, kill_all, kill_tree
 
-__all__ = ["ExecutionOutcome", "execute_notebook", "STATUSES"]
+__all__ = ["ExecutionOutcome", "StopRequest", "execute_notebook", "STATUSES", "STOP_SIGNALS"]
 
 #: What an execution can end as.
-STATUSES = ("ok", "failed", "timed out", "kernel died")
+STATUSES = ("ok", "failed", "timed out", "kernel died", "interrupted")
+#: Signals that stop a run cleanly while :meth:`StopRequest.catching` is active.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Longest temporary folder a run's own folder goes in. The kernel's
+#: forkserver listens on ``<folder>/pymp-*/listener-*``: the run's folder
+#: name (19 bytes) and that (32) leave 56 of an AF_UNIX path's 107 bytes.
+MAX_TMP_BASE = 56
+
+
+def _scratch_dir() -> str:
+    """A new temporary folder for one run, short enough for the kernel's sockets."""
+    base = tempfile.gettempdir()
+    if len(base) > MAX_TMP_BASE:
+        base = next((d for d in ("/tmp", "/var/tmp") if os.access(d, os.W_OK)), base)
+    return tempfile.mkdtemp(prefix="ddplab-nb-", dir=base)
 #: Seconds between two looks at a running notebook.
 POLL_INTERVAL = 0.5
 _CELL_LOG = re.compile(r"Executing Cell (\d+)")
@@ -50,6 +76,46 @@ class ExecutionOutcome:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+class StopRequest:
+    """A request to stop, made by a signal handler (or by code), polled by the runner.
+
+    The handler only records the signal: it runs between any two bytecodes,
+    and stopping the tree and writing the outcome must happen at a point
+    the runner chooses (a lock taken in a handler can deadlock).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Ask to stop (the first request's signal is the one reported)."""
+        if self.signum is None:
+            self.signum = signum
+
+    @contextlib.contextmanager
+    def catching(self, signals: tuple = STOP_SIGNALS):
+        """Turn ``signals`` into stop requests inside the block (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {}
+        try:
+            for sig in signals:
+                previous[sig] = signal.signal(sig, lambda signum, frame: self.request(signum))
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -82,11 +148,13 @@ def execute_notebook(notebook: str | os.PathLike, output: str | os.PathLike, *,
                      parameters: dict, timeout: float, cwd: str | os.PathLike | None = None,
                      kernel_name: str = "python3", env: dict | None = None,
                      log_path: str | os.PathLike | None = None,
-                     on_poll: Callable[[float, int | None], None] | None = None) -> ExecutionOutcome:
+                     on_poll: Callable[[float, int | None], None] | None = None,
+                     stop: StopRequest | None = None) -> ExecutionOutcome:
     """Run ``notebook`` into ``output`` with ``parameters``; stop it after ``timeout`` s.
 
     ``on_poll(elapsed, cell)`` is called about every :data:`POLL_INTERVAL`
     seconds with the index of the cell papermill is executing (for progress).
+    Once ``stop`` is requested the run is killed and ends "interrupted".
     """
     output = pathlib.Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -98,13 +166,23 @@ def execute_notebook(notebook: str | os.PathLike, output: str | os.PathLike, *,
            "--autosave-cell-every", "5"]
     if cwd is not None:
         cmd += ["--cwd", str(cwd)]
-    full_env = {**os.environ, **(env or {})}
+    scratch = _scratch_dir()
+    full_env = {**os.environ, **(env or {}), "TMPDIR": scratch}
+    stop = stop or StopRequest()
     t0 = time.perf_counter()
     try:
-        timed_out, returncode, cell = _wait(cmd, full_env, log_path, timeout, t0, on_poll)
+        ended, returncode, cell = _wait(cmd, full_env, log_path, timeout, t0, on_poll, stop)
     finally:
         params_path.unlink(missing_ok=True)
-    if timed_out:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if ended == "interrupted":
+        _, running, _ = _cell_status(output)
+        seconds = time.perf_counter() - t0
+        return ExecutionOutcome("interrupted", seconds, returncode,
+                                failing_cell=running if running is not None else cell,
+                                error=f"stopped by {stop.signal_name} after {seconds:.0f} s",
+                                log_path=str(log_path))
+    if ended == "timed out":
         _, running, _ = _cell_status(output)
         return ExecutionOutcome("timed out", time.perf_counter() - t0, returncode,
                                 failing_cell=running if running is not None else cell,
@@ -128,25 +206,34 @@ def execute_notebook(notebook: str | os.PathLike, output: str | os.PathLike, *,
 
 
 def _wait(cmd: list[str], env: dict, log_path: pathlib.Path, timeout: float, t0: float,
-          on_poll) -> tuple[bool, int | None, int | None]:
-    """Run ``cmd``; return (timed out?, return code, last cell seen in the log)."""
+          on_poll, stop: StopRequest) -> tuple[str, int | None, int | None]:
+    """Run ``cmd``; return (how it ended: "exited", "timed out" or "interrupted",
+    return code, last cell seen in the log)."""
     cell = None
+    family: list = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while proc.poll() is None:
                 elapsed = time.perf_counter() - t0
-                if elapsed > timeout:
-                    _kill_tree(proc)
-                    return True, proc.returncode, cell
+                if stop.requested or elapsed > timeout:
+                    break
+                # Remembered in case papermill dies first (a signal to the whole
+                # terminal group): its kernel is then no longer found from it.
+                family = descendants(proc.pid) or family
                 if on_poll is not None:
                     cell = _last_cell(log_path) or cell
                     on_poll(elapsed, cell)
                 time.sleep(POLL_INTERVAL)
+            else:
+                if not stop.requested:
+                    return "exited", proc.returncode, cell
+            _kill_tree(proc)
+            kill_all(family)
         except BaseException:
             _kill_tree(proc)
             raise
-    return False, proc.returncode, cell
+    return ("interrupted" if stop.requested else "timed out"), proc.returncode, cell
 
 
 def _last_cell(log_path: pathlib.Path) -> int | None:

@@ -32,7 +32,7 @@ from ddplab.cases import Case, case_names, get_case
 from ddplab.environment import environment_info
 from ddplab.html_report import header_markdown, notebook_to_html
 from ddplab.index_page import CaseOutcome, summary_markdown, write_index
-from ddplab.notebook_run import execute_notebook
+from ddplab.notebook_run import StopRequest, execute_notebook
 from ddplab.parameters import ParameterSet
 from ddplab.progress import PROGRESS_FILE_ENV, read_progress
 from ddplab.notebook import IO_PARAMETERS
@@ -210,7 +210,8 @@ def _reproduce_command(spec: CaseSpec, shown_params: dict) -> str:
 
 
 def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: float,
-             no_input: bool, index: int, total: int, echo: Callable[[str], None]) -> CaseOutcome:
+             no_input: bool, index: int, total: int, echo: Callable[[str], None],
+             stop: StopRequest | None = None) -> CaseOutcome:
     case_dir = out_dir / spec.name
     case_dir.mkdir(parents=True, exist_ok=True)
     executing = case_dir / ".notebook.executing.ipynb"
@@ -229,7 +230,8 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
         env={"DDPLAB_BATCH": "1", "PYTHONUNBUFFERED": "1",
              PROGRESS_FILE_ENV: str(progress_file.resolve())},
         on_poll=_progress_printer(spec.name, index, total, echo, progress_file,
-                                  spec.planned_steps(params)))
+                                  spec.planned_steps(params)),
+        stop=stop)
     if sys.stdout.isatty():
         sys.stdout.write("\n")
     progress_file.unlink(missing_ok=True)
@@ -314,20 +316,34 @@ def _merge_with_previous(out_dir: pathlib.Path, outcomes: list[CaseOutcome]) -> 
 
 def run_batch(planned: list[tuple[CaseSpec, dict]], out_dir: str | os.PathLike, *,
               timeout: float = DEFAULT_TIMEOUT, no_input: bool = False,
-              echo: Callable[[str], None] = print) -> list[CaseOutcome]:
-    """Run every planned case, write its report, then the index; return the outcomes."""
+              echo: Callable[[str], None] = print,
+              stop: StopRequest | None = None) -> list[CaseOutcome]:
+    """Run every planned case, write its report, then the index; return the outcomes.
+
+    SIGINT, SIGTERM and SIGHUP (or ``stop.request()``) stop the batch: the
+    running notebook's whole process tree is killed, its report and the
+    index are written with status "interrupted", and the cases not started
+    are skipped (the index keeps their previous entries).
+    """
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    stop = stop or StopRequest()
     t0 = time.perf_counter()
     outcomes = []
-    for i, (spec, params) in enumerate(planned, 1):
-        outcomes.append(_run_one(spec, params, out_dir, timeout=timeout, no_input=no_input,
-                                 index=i, total=len(planned), echo=echo))
-    total = time.perf_counter() - t0
-    write_index(out_dir, _merge_with_previous(out_dir, outcomes), total_seconds=total)
+    with stop.catching():
+        for i, (spec, params) in enumerate(planned, 1):
+            if stop.requested:
+                break
+            outcomes.append(_run_one(spec, params, out_dir, timeout=timeout, no_input=no_input,
+                                     index=i, total=len(planned), echo=echo, stop=stop))
+        total = time.perf_counter() - t0
+        write_index(out_dir, _merge_with_previous(out_dir, outcomes), total_seconds=total)
     echo("")
     for o in outcomes:
         echo(f"  {o.name:<24} {o.status:<11} {o.seconds:7.1f} s")
+    if stop.requested:
+        skipped = [spec.name for spec, _ in planned[len(outcomes):]]
+        echo(f"  stopped by {stop.signal_name}" + (f"; not run: {', '.join(skipped)}" if skipped else ""))
     echo(f"  {'total':<24} {'':<11} {total:7.1f} s   -> {out_dir / 'index.html'}")
     return outcomes
 
@@ -343,5 +359,8 @@ def run_report(opts) -> int:
     except ValueError as exc:
         print(f"ddplab report: {exc}", file=sys.stderr)
         return 2
-    outcomes = run_batch(planned, opts.output, timeout=opts.timeout, no_input=opts.no_input)
+    stop = StopRequest()
+    outcomes = run_batch(planned, opts.output, timeout=opts.timeout, no_input=opts.no_input, stop=stop)
+    if stop.requested:
+        return 128 + stop.signum  # as a shell reports a command ended by that signal
     return 0 if all(o.status == "ok" for o in outcomes) else 1

@@ -1,7 +1,12 @@
 """The case's models and data sets: shapes, determinism, the CIFAR-10 file format, errors."""
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import pickle
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -164,6 +169,63 @@ def test_cifar10_rejects_a_file_in_another_format(tmp_path):
         pickle.dump({b"data": np.zeros((2, 100), dtype=np.uint8), b"labels": [0, 1]}, fh)
     with pytest.raises(ValueError, match="3072"):
         load_dataset("cifar10", tmp_path)
+
+
+class _RunsCode:
+    """Unpickling this calls ``exec``: what a planted batch file would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def test_cifar10_refuses_a_pickle_that_would_run_code(tmp_path):
+    _write_cifar(tmp_path)
+    marker = tmp_path / "code-ran"
+    with open(tmp_path / "data_batch_3", "wb") as fh:
+        pickle.dump({b"data": _RunsCode(marker), b"labels": [0]}, fh)
+    pickle.loads(pickle.dumps(_RunsCode(marker)))  # the plant works on a plain unpickler ...
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(ValueError, match=r"data_batch_3 is not a CIFAR-10 python batch: "
+                                         r"refusing to load builtins\.exec"):
+        load_dataset("cifar10", tmp_path)
+    assert not marker.exists()  # ... and did not run here
+
+
+@pytest.mark.slow  # a real case notebook whose ranks read the planted file (about 20 s)
+def test_ddplab_report_refuses_a_planted_cifar10_batch(tmp_path):
+    root = tmp_path / "data"
+    _write_cifar(root)
+    marker = tmp_path / "code-ran"
+    for name in CIFAR10_TRAIN_FILES:  # whichever batch the ranks read first
+        with open(root / name, "wb") as fh:
+            pickle.dump({b"data": _RunsCode(marker), b"labels": [0]}, fh)
+    out = tmp_path / "reports"
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "ddplab", "report", "backend_divergence", "--quick",
+                           "-p", "data", "cifar10", "-p", "data_root", str(root), "--output", str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert not marker.exists()  # the planted pickle ran nothing, in any process
+    case = json.loads((out / "index.json").read_text())["cases"][0]
+    assert case["status"] == "failed"
+    assert "refusing to load builtins.exec" in (out / "backend_divergence" / "notebook.ipynb").read_text()
+
+
+def test_cifar10_reads_batches_of_every_pickle_protocol(tmp_path):
+    data = np.arange(2 * 3072, dtype=np.int64).astype(np.uint8).reshape(2, 3072)
+    for protocol in (2, 3, 4, 5):
+        folder = tmp_path / f"p{protocol}"
+        folder.mkdir()
+        with open(folder / "test_batch", "wb") as fh:
+            pickle.dump({b"data": data, b"labels": [3, 4], b"batch_label": b"testing batch 1 of 1",
+                         b"filenames": [b"a.png", b"b.png"]}, fh, protocol=protocol)
+        ds = cifar10(folder, train=False)
+        assert ds.labels.tolist() == [3, 4] and len(ds) == 2
 
 
 def test_unknown_data_set():

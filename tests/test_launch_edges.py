@@ -1,0 +1,332 @@
+"""The launcher at its edges: exposure, leftovers, blame, odd values, bad input, odd mains."""
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddplab
+from ddplab import launcher
+from ddplab.launcher import (MAX_WORLD_SIZE_ENV, Launch, LaunchStopped, RankDied, RankFailed,
+                             launch)
+
+PY = sys.executable
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gone(pids, within=3.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _values(frame, metric):
+    return [int(v) for v in frame.query("metric == @metric")["value"]]
+
+
+# ---------------------------------------------------------------- the rendezvous store
+
+
+def _non_loopback_addresses() -> list[str]:
+    found = []
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            ip = ipaddress.ip_address(a.address.split("%")[0])
+            if not ip.is_loopback and not ip.is_link_local:
+                found.append(str(ip))
+    return found
+
+
+def wait_for_stop():
+    ddplab.emit("pid", os.getpid())
+    time.sleep(60)
+
+
+def _listening(proc: psutil.Process) -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def test_store_accepts_loopback_only(no_leftovers):
+    addresses = _non_loopback_addresses()
+    if not addresses:
+        pytest.skip("this machine has no non-loopback address to connect through")
+    me = psutil.Process()
+    before = _listening(me)
+    runner = Launch(wait_for_stop, world_size=2, timeout=60).start()
+    try:
+        opened = _listening(me) - before
+        assert opened, "the launch's store opened no listening socket in this process"
+        assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in opened), opened
+        for _, port in opened:
+            for address in addresses:
+                with pytest.raises(OSError):  # refused: nothing listens there
+                    socket.create_connection((address, port), timeout=3).close()
+    finally:
+        runner.stop()
+        with pytest.raises(LaunchStopped):
+            runner.wait()
+
+
+# ---------------------------------------------------------------- what ranks start
+
+
+def start_child_then_fail(how):
+    child = subprocess.Popen(["sleep", "300"])
+    ddplab.emit("grandchild_pid", child.pid)
+    ddplab.emit("pid", os.getpid())
+    dist.barrier()  # the record is out before anything fails
+    if dist.get_rank() == 1:
+        if how == "raise":
+            raise RuntimeError("planted failure after starting a child")
+        os._exit(3)
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("how, error", [("raise", RankFailed), ("exit", RankDied)])
+def test_children_of_a_failed_rank_are_stopped(no_leftovers, how, error):
+    with pytest.raises(error) as info:
+        launch(start_child_then_fail, world_size=2, args=(how,), timeout=60)
+    assert info.value.rank == 1
+    frame = info.value.records
+    assert len(_values(frame, "grandchild_pid")) == 2
+    assert _gone(_values(frame, "grandchild_pid") + _values(frame, "pid"))
+
+
+SIGTERM_PROOF = """
+import signal, sys, time
+import torch.distributed as dist
+from ddplab.launcher import launch
+
+def stubborn():
+    import ddplab, os
+    signal.signal(signal.SIGTERM, lambda *_: None)   # survives terminate()
+    ddplab.emit("pid", os.getpid())
+    while True:
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    try:
+        launch(stubborn, world_size=2, timeout=120,
+               on_record=lambda rec: print("PID", int(rec["value"]), flush=True))
+    except KeyboardInterrupt as exc:
+        sys.last_traceback = exc.__traceback__   # kept, as IPython keeps it (and the launch with it)
+        print("INTERRUPTED", flush=True)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stdin.read()   # stays alive, as a notebook kernel does, until the test is done
+"""
+
+
+def test_second_ctrl_c_still_kills_ranks_that_handle_sigterm(tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text(SIGTERM_PROOF)
+    proc = subprocess.Popen([PY, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        pids = []
+        while len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            if line.startswith("PID"):
+                pids.append(int(line.split()[1]))
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # inside the SIGTERM grace period
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline().strip() == "INTERRUPTED"
+        assert proc.poll() is None  # the "kernel" lives on ...
+        assert _gone(pids)  # ... its ranks do not
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+# ---------------------------------------------------------------- blame
+
+
+def raise_then_peers_exit():
+    dist.barrier()
+    if dist.get_rank() == 0:
+        raise ValueError("the real failure on rank 0")
+    try:
+        dist.barrier()
+    except RuntimeError:
+        os._exit(3)  # as NCCL's async error handling tears a rank down
+
+
+def test_the_first_failure_is_blamed_not_a_peer_that_exited(no_leftovers):
+    with pytest.raises(RankFailed) as info:
+        launch(raise_then_peers_exit, world_size=3, timeout=60)
+    err = info.value
+    assert err.rank == 0 and err.exc_type == "ValueError", str(err)
+    text = str(err)
+    assert text.startswith("rank 0 of 3 raised ValueError: the real failure on rank 0")
+    consequences = text.split("--- then, as a consequence ---")[1]
+    assert "rank 1 exited with code 3" in consequences and "rank 2 exited with code 3" in consequences
+
+
+# ---------------------------------------------------------------- odd values and exceptions
+
+
+def _explode():
+    raise RuntimeError("this value cannot be rebuilt here")
+
+
+class Unrebuildable:
+    def __reduce__(self):
+        return (_explode, ())
+
+
+class BadStr(Exception):
+    def __str__(self):
+        raise RuntimeError("no text for you")
+
+
+def odd_ending(kind):
+    ddplab.emit("before", 1.0)
+    dist.barrier()
+    if dist.get_rank() != 1:
+        return "fine"
+    if kind == "unpicklable":
+        return Unrebuildable()
+    if kind == "bad_str":
+        raise BadStr()
+    sys.exit()
+
+
+@pytest.mark.parametrize("kind, exc_type, text", [
+    ("unpicklable", "RuntimeError",
+     "rank 1 of 2 returned a value this process cannot unpickle (RuntimeError: this value cannot be rebuilt here)"),
+    ("bad_str", "BadStr", "rank 1 of 2 raised BadStr: <its __str__ raised RuntimeError>"),
+    ("exit", "SystemExit", "rank 1 of 2 called sys.exit(None)"),
+])
+def test_odd_endings_are_launch_errors_naming_the_rank(no_leftovers, kind, exc_type, text):
+    with pytest.raises(RankFailed) as info:
+        launch(odd_ending, world_size=2, args=(kind,), timeout=60)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == exc_type
+    assert str(err).startswith(text), str(err)
+    assert len(err.records.query("metric == 'before'")) == 2  # the records are kept
+    assert err.result.returns[0] == "fine"
+
+
+def test_a_module_the_rank_cannot_import_is_explained(no_leftovers, tmp_path, monkeypatch):
+    path = tmp_path / "only_here.py"
+    path.write_text("def value():\n    return 7\n")
+    spec = importlib.util.spec_from_file_location("only_here", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "only_here", module)  # imported, but not by name from sys.path
+    with pytest.raises(RankFailed, match="register_pickle_by_value") as info:
+        launch(module.value, world_size=1, timeout=60)
+    assert "No module named 'only_here'" in str(info.value)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(kwargs={1: 2}), "kwargs keys must be strings"),
+    (dict(threads_per_rank=-1), "threads_per_rank must be an int >= 1"),
+    (dict(threads_per_rank=0), "threads_per_rank must be an int >= 1"),
+    (dict(env={"A=B": "1"}), "not an environment variable name"),
+    (dict(env={1: "1"}), "not an environment variable name"),
+    (dict(env={"A": None}), r"env\['A'\] must be a string"),
+    (dict(env={"A": "x\0y"}), "NUL"),
+    (dict(env="A=1"), "env must be a dict"),
+    (dict(world_size=10_000), f"at most .* ranks .*{MAX_WORLD_SIZE_ENV}"),
+    (dict(timeout=math.nan), "timeout must be a positive number of seconds, finite"),
+    (dict(timeout=math.inf), "timeout must be a positive number of seconds, finite"),
+    (dict(timeout=1e300), "at most"),
+    (dict(on_record=5), "on_record must be callable"),
+])
+def test_bad_input_is_refused_before_any_process(no_leftovers, monkeypatch, kwargs, match):
+    started = []
+
+    def refuse(what):
+        def spy(*args, **kw):
+            started.append(what)
+            raise AssertionError(f"{what} started before the bad input was refused")
+        return spy
+
+    # Structural, not timed: the store and the rank processes are never created.
+    monkeypatch.setattr(launcher._RankProcess, "start", refuse("a rank process"))
+    monkeypatch.setattr(launcher, "_loopback_store", refuse("the rendezvous store"))
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match=match):
+        launch(lambda: 1, **{"world_size": 2, **kwargs})
+    assert started == []
+    assert psutil.Process().children(recursive=True) == before
+
+
+def test_world_size_limit_can_be_raised_or_lowered(no_leftovers, monkeypatch):
+    monkeypatch.setenv(MAX_WORLD_SIZE_ENV, "1")
+    with pytest.raises(ValueError, match=f"at most 1 ranks \\(set by {MAX_WORLD_SIZE_ENV}\\)"):
+        launch(lambda: 1, world_size=2)
+    assert launch(lambda: dist.get_world_size(), world_size=1).returns == [1]
+    monkeypatch.setenv(MAX_WORLD_SIZE_ENV, "lots")
+    with pytest.raises(ValueError, match=f"{MAX_WORLD_SIZE_ENV} must be a positive integer"):
+        launch(lambda: 1, world_size=1)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_cli_timeouts_must_be_finite_and_positive(value, capsys):
+    from ddplab.cli import build_parser
+
+    for command in (["report"], ["run", "half_precision", "--out", "x"]):
+        with pytest.raises(SystemExit) as info:
+            build_parser().parse_args(command + ["--timeout", value])
+        assert info.value.code == 2
+        assert "finite number of seconds > 0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- launching from odd mains
+
+
+PROGRAM = textwrap.dedent("""
+    import torch, torch.distributed as dist
+    from ddplab import launch
+    a = torch.randn(500, 500); a @ a   # the parent ran torch ops first
+    def total(k):
+        t = torch.tensor([float(k)])
+        dist.all_reduce(t)
+        return t.item()
+    print("RESULT", launch(total, world_size=2, args=(3,), timeout=120).returns)
+""")
+
+
+@pytest.mark.slow  # three fresh interpreters import torch side by side: about 30 s on 2 cores
+def test_launch_from_stdin_dash_c_and_an_unguarded_script(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(PROGRAM)  # no `if __name__ == "__main__":`
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    runs = {
+        "stdin": subprocess.Popen([PY, "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env),
+        "-c": subprocess.Popen([PY, "-c", PROGRAM], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=tmp_path, env=env),
+        "script": subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, cwd=tmp_path, env=env),
+    }
+    outputs = {name: proc.communicate(PROGRAM if name == "stdin" else None, timeout=180)
+               for name, proc in runs.items()}
+    for name, (out, err) in outputs.items():
+        assert "RESULT [6.0, 6.0]" in out, f"{name}: {err[-3000:]}"

@@ -53,7 +53,7 @@ def test_callable_sources_reduce_the_same_integers():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=IDS)
 def test_per_element_exponents_give_the_correctly_rounded_sum(dtype):
-    # NUMERICS.md: correctly rounded in 100% of elements, where plain gloo is not.
+    # docs/numerics.md: correctly rounded in 100% of elements, where plain gloo is not.
     x = data(8, 20_000, dtype, seed=2)
     fixed = measure(reproducible_sum(x), x)
     assert fixed["frac_correctly_rounded"] == 1.0 and torch.equal(reproducible_sum(x), exact_sum(x))

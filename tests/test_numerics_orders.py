@@ -2,7 +2,7 @@
 
 The reference walks each element in Python and performs every addition as
 exact rational arithmetic followed by one round-to-nearest-even into the
-dtype (``fraction_round``), following the orders as NUMERICS.md and the
+dtype (``fraction_round``), following the orders as docs/numerics.md and the
 gloo/NCCL sources describe them. The emulation under test evaluates postfix
 programs with blocked in-place torch adds; the two share no code.
 """
@@ -63,7 +63,7 @@ def pairwise(values, ar):
 
 
 def notes_gloo_owner(numel, w, element_size, max_bytes=1 << 20):
-    """NUMERICS.md: numSegments = roundUp(max(ceil(bytes / 1 MiB), 2W), W); segment = ceil(N / numSegments)."""
+    """docs/numerics.md: numSegments = roundUp(max(ceil(bytes / 1 MiB), 2W), W); segment = ceil(N / numSegments)."""
     if w == 1:
         return [0] * numel
     segments = max(-(-numel * element_size // max_bytes), 2 * w)

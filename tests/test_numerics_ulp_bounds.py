@@ -195,7 +195,7 @@ def test_a_real_bug_is_not_rounding():
 
 
 def test_errors_are_measured_against_sum_abs_not_the_tiny_sum():
-    # Cancellation: a legal result can be far from S relative to |S| (NUMERICS.md's 15%).
+    # Cancellation: a legal result can be far from S relative to |S|.
     x = torch.tensor([[1.0], [1e-7], [-1.0], [3e-8]])
     result = reduce(x, "sequential")
     exact = exact_parts(x)[0]

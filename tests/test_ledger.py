@@ -121,7 +121,7 @@ def detail_misses_what_the_ledger_flags():
 def test_swapped_same_shaped_collectives_and_sum_vs_max_are_flagged(no_leftovers):
     res = no_leftovers(swapped_and_mixed_ops, world_size=2, args=({1},), timeout=60)
     r0 = res.returns[0]
-    # The values mixed silently: a on rank 0 got rank 1's b (1 + 20) (ledger's mixing: ranks combined different tensors).
+    # The values mixed silently: a on rank 0 got rank 1's b (1 + 20).
     assert r0["a"] == [21.0, 21.0, 21.0]
     assert r0["problems"] == [
         (0, "pairing", {0: "a", 1: "b"}),

@@ -1,6 +1,7 @@
 # ddplab: every target creates what it needs on a fresh machine first.
 #   make report   run every case notebook and publish reports/ (HTML, index, Markdown)
-#   make test     the test suite (real process groups, papermill, headless Chromium)
+#   make test     the default suite: real process groups, one quick notebook run per case, headless Chromium
+#   make test-all the default suite and the slow tests (every notebook at full size, torchrun, packaging)
 #   make lab      JupyterLab with the "ddplab" kernel registered
 #   make bench    benchmarks: ratios measured side by side in one run
 #   make gpu-check  the nccl paths, on a machine with GPUs
@@ -15,7 +16,7 @@ TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 REPORT_ARGS ?=
 
-.PHONY: setup report test lab bench gpu-check browser clean
+.PHONY: setup report test test-all lab bench gpu-check browser clean
 
 setup: $(STAMP)
 
@@ -40,7 +41,13 @@ report: $(STAMP)
 	$(PY) -m ddplab report $(REPORT_ARGS)
 
 # pytest exits 5 when it collects nothing (e.g. a filtered run): that is not a pass.
+# The default suite leaves out tests marked slow (each case still runs one
+# quick notebook end to end); test-all runs everything.
 test: $(STAMP) browser
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
+
+test-all: $(STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 

@@ -18,6 +18,8 @@ import ddplab
 from ddplab.launcher import (Launch, LaunchStopped, LaunchTimeout, RankDied, RankFailed,
                            launch)
 
+from processes import all_gone
+
 PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,17 +163,6 @@ def _pids(frame, metric="pid"):
     return [int(v) for v in frame.query("metric == @metric")["value"]]
 
 
-def _all_gone(pids):
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_exception_stops_all_ranks_fast_and_keeps_records(no_leftovers):
     with pytest.raises(RankFailed) as info:
         launch(emit_then_fail, world_size=4, args=(2,), timeout=60)
@@ -184,7 +175,7 @@ def test_exception_stops_all_ranks_fast_and_keeps_records(no_leftovers):
     assert len(frame.query("metric == 'loss'")) == 12  # 3 steps x 4 ranks, before the failure
     raised_at = frame.query("metric == 'raised_at'")["value"].item()
     assert caught_at - raised_at < 3.0
-    assert _all_gone(_pids(frame))
+    assert all_gone(_pids(frame))
 
 
 def test_death_by_signal_is_reported_fast(no_leftovers):
@@ -194,7 +185,7 @@ def test_death_by_signal_is_reported_fast(no_leftovers):
     assert info.value.rank == 1 and "SIGKILL" in str(info.value)
     frame = info.value.records
     assert caught_at - frame.query("metric == 'killed_at'")["value"].item() < 3.0
-    assert _all_gone(_pids(frame))
+    assert all_gone(_pids(frame))
 
 
 def test_hang_is_diagnosed_and_everything_stopped(no_leftovers):
@@ -210,14 +201,14 @@ def test_hang_is_diagnosed_and_everything_stopped(no_leftovers):
     assert "hang_without_collective" in err.stacks[1]  # where it was stuck
     frame = err.records
     pids = _pids(frame) + _pids(frame, "grandchild_pid")
-    assert _all_gone(pids)  # the rank's own child process too
+    assert all_gone(pids)  # the rank's own child process too
 
 
 def test_ranks_stuck_in_a_collective_time_out(no_leftovers):
     with pytest.raises(LaunchTimeout) as info:
         launch(all_stuck_in_collective, world_size=2, timeout=3)
     assert info.value.pending == [0, 1]
-    assert _all_gone(_pids(info.value.records))
+    assert all_gone(_pids(info.value.records))
 
 
 def test_unpicklable_return_value_is_a_clear_error(no_leftovers):
@@ -233,7 +224,7 @@ def test_stop_from_another_thread(no_leftovers):
         runner.wait()
     frame = info.value.records
     assert len(frame.query("metric == 'tick'")) > 0
-    assert _all_gone(_pids(frame))
+    assert all_gone(_pids(frame))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -324,7 +315,7 @@ def test_keyboard_interrupt_stops_every_rank(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert "INTERRUPTED" in out, err
-    assert _all_gone(pids)
+    assert all_gone(pids)
 
 
 NOTEBOOK_CELLS = [
@@ -378,4 +369,4 @@ def test_observers_and_stop_all_reach_indirect_launches(no_leftovers):
         worker.join(60)
     assert "stopped" in outcome and len(seen) >= 10
     assert seen[0][0] == 2
-    assert _all_gone(_pids(outcome["stopped"].records))
+    assert all_gone(_pids(outcome["stopped"].records))

@@ -22,19 +22,10 @@ from ddplab import launcher
 from ddplab.launcher import (MAX_WORLD_SIZE_ENV, Launch, LaunchStopped, RankDied, RankFailed,
                              launch)
 
+from processes import all_gone
+
 PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _gone(pids, within=3.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _values(frame, metric):
@@ -109,7 +100,7 @@ def test_children_of_a_failed_rank_are_stopped(no_leftovers, how, error):
     assert info.value.rank == 1
     frame = info.value.records
     assert len(_values(frame, "grandchild_pid")) == 2
-    assert _gone(_values(frame, "grandchild_pid") + _values(frame, "pid"))
+    assert all_gone(_values(frame, "grandchild_pid") + _values(frame, "pid"))
 
 
 SIGTERM_PROOF = """
@@ -153,7 +144,7 @@ def test_second_ctrl_c_still_kills_ranks_that_handle_sigterm(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.stdout.readline().strip() == "INTERRUPTED"
         assert proc.poll() is None  # the "kernel" lives on ...
-        assert _gone(pids)  # ... its ranks do not
+        assert all_gone(pids)  # ... its ranks do not
     finally:
         proc.kill()
         proc.communicate(timeout=30)

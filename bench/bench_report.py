@@ -1,0 +1,104 @@
+"""Where the time of ``ddplab report`` goes: every case with default parameters, run twice.
+
+The first run pays one-time costs (numba compiling the emulated orders into
+its on-disk cache, Python's bytecode caches); the second is what a user sees
+after that. For each case and run it prints the wall time the batch measured
+and splits it, from what the run itself recorded:
+
+* ``launch``: the case's launches (``launch_seconds`` records: forkserver,
+  process groups, training and the measurements inside the ranks);
+* ``cells``: every other notebook cell (imports, setup, tables, figures,
+  verdict), from papermill's per-cell durations;
+* ``other``: the rest -- the kernel's start and shutdown, papermill, the
+  HTML export and writing the files.
+
+Times on a shared machine move with its load, which is printed beside them.
+No target is asserted here; the README quotes the printed figures.
+
+    python bench/bench_report.py [--runs 2] [--keep DIR] [case ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _common import machine_line  # noqa: E402
+
+
+def _launch_seconds(case_dir: pathlib.Path) -> float:
+    total = 0.0
+    with open(case_dir / "results" / "records.jsonl") as fh:
+        for line in fh:
+            if '"launch_seconds"' in line:
+                row = json.loads(line)
+                if row["metric"] == "launch_seconds":
+                    total += row["value"]
+    return total
+
+
+def _cell_seconds(case_dir: pathlib.Path) -> list[tuple[str, float]]:
+    """``(first source line, seconds)`` of every code cell papermill ran."""
+    nb = json.loads((case_dir / "notebook.ipynb").read_text())
+    out = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        meta = cell.get("metadata", {}).get("papermill", {})
+        source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+        out.append((source.strip().splitlines()[0] if source.strip() else "", float(meta.get("duration") or 0)))
+    return out
+
+
+def breakdown(out_dir: pathlib.Path) -> list[dict]:
+    """One row per case of a finished batch: total, launch, other cells, rest (seconds)."""
+    index = json.loads((out_dir / "index.json").read_text())
+    rows = []
+    for case in index["cases"]:
+        case_dir = out_dir / case["name"]
+        launch = _launch_seconds(case_dir) if (case_dir / "results" / "records.jsonl").exists() else 0.0
+        cells = sum(s for _, s in _cell_seconds(case_dir)) if (case_dir / "notebook.ipynb").exists() else 0.0
+        run_cell = next((s for src, s in _cell_seconds(case_dir) if ".run(" in src), 0.0) \
+            if (case_dir / "notebook.ipynb").exists() else 0.0
+        rows.append({"case": case["name"], "status": case["status"], "total": case["seconds"],
+                     "launch": launch, "run_cell_rest": max(run_cell - launch, 0.0),
+                     "cells": cells - run_cell, "other": case["seconds"] - cells})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--keep", help="write the reports here instead of a temporary folder")
+    parser.add_argument("cases", nargs="*")
+    args = parser.parse_args()
+    print(machine_line())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(args.keep or tmp) / "reports"
+        for run in range(1, args.runs + 1):
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "ddplab", "report", *args.cases, "--output", str(out)],
+                                  capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            rows = breakdown(out)
+            print(f"\n== run {run}: `ddplab report {' '.join(args.cases)}` {wall:.1f} s wall, exit {proc.returncode}"
+                  f"; {machine_line()}")
+            print(f"  {'case':<24} {'status':<11} {'total':>7} {'launch':>7} {'run cell, rest':>15} "
+                  f"{'other cells':>12} {'kernel+export':>14}")
+            for r in rows:
+                print(f"  {r['case']:<24} {r['status']:<11} {r['total']:7.1f} {r['launch']:7.1f} "
+                      f"{r['run_cell_rest']:15.1f} {r['cells']:12.1f} {r['other']:14.1f}")
+            print(f"  {'sum':<24} {'':<11} {sum(r['total'] for r in rows):7.1f} "
+                  f"{sum(r['launch'] for r in rows):7.1f} {sum(r['run_cell_rest'] for r in rows):15.1f} "
+                  f"{sum(r['cells'] for r in rows):12.1f} {sum(r['other'] for r in rows):14.1f}")
+            if proc.returncode != 0:
+                print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -260,10 +260,16 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     try:
         with tempfile.TemporaryDirectory(prefix="ddplab-compare-") as root:
             try:
-                _launcher.launch(reference_worker, world_size=1, args=(setup, runs, steps, root),
+                _launcher.launch(reference_worker, world_size=1,
+                                 args=(setup, runs, steps, root, facts["digest"]),
                                  timeout=timeout, on_record=on_record)
             except _launcher.LaunchStopped:
                 stopped = True
+            except _launcher.RankFailed as err:
+                if err.exc_type == "SetupError":
+                    raise SetupError(str(err).splitlines()[0].split("SetupError: ", 1)[-1]) from err
+                raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
+                                      f"compare with:\n{err}") from err
             except _launcher.LaunchError as err:
                 raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
                                       f"compare with:\n{err}") from err
@@ -279,7 +285,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
                 try:
                     _launcher.launch(configuration_worker, world_size=config.world_size,
                                      args=(setup, config, steps, root, run_id, facts["digest"]),
-                                     timeout=timeout, on_record=on_record)
+                                     timeout=config.timeout or timeout, on_record=on_record)
                     statuses[config.label] = ("completed", None)
                 except _launcher.LaunchStopped as err:
                     stopped = True

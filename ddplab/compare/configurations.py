@@ -41,6 +41,9 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
 class Configuration:
     """What every configuration has: ranks, micro-batches per rank, a name, the compute precision.
 
+    ``timeout`` (seconds) overrides the comparison's per-launch timeout for
+    this configuration: past it, the configuration counts as hung.
+
     :meth:`precision` says in which dtype the forward and backward passes
     compute when it differs from the model's (mixed precision); the referee
     then measures the rounding band with a single-process reference that
@@ -50,6 +53,7 @@ class Configuration:
     world_size: int = 2
     k: int = 1
     name: str | None = None
+    timeout: float | None = None
 
     kind = "configuration"
 
@@ -75,6 +79,9 @@ class Configuration:
         _check_int("k", self.k)
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        if self.timeout is not None and (isinstance(self.timeout, bool) or
+                                         not isinstance(self.timeout, (int, float)) or self.timeout <= 0):
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
 
     def describe(self) -> dict:
         """The configuration as plain data (for records, reports and the case's parameters)."""

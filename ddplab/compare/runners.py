@@ -183,8 +183,18 @@ def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> N
         capture.finish(step, _loss_value(loss))
 
 
-def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str) -> None:
-    """Rank 0 of a 1-rank launch: every reference run, one after the other."""
+def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str) -> None:
+    """Rank 0 of a 1-rank launch: every reference run, one after the other.
+
+    First checks that this process builds the model the parent built
+    (``digest``): a model seeded from the process (its pid, the clock) would
+    start every rank elsewhere, and that is found here, before any
+    configuration runs.
+    """
+    if model_digest(setup.build_model()) != digest:
+        raise SetupError("setup.model() builds different initial weights in another process than in "
+                         "this one, so ranks would start from different models: seed it with a "
+                         "constant (torch.manual_seed(0)), not from the process or the clock")
     batches = global_batches(setup, steps)
     for spec in runs:
         _train_reference(setup, spec, batches, root)

@@ -1,0 +1,165 @@
+"""ddplab.compare on real gloo ranks: the correct example is rounding under DDP, accumulation,
+a custom loop, Fabric and FSDP2 (float32 and bfloat16); every planted bug is a bug of the
+right kind; the records are tidy and say the same as the verdicts."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ddplab import compare
+from ddplab.compare import examples, referee
+from ddplab.compare.verdicts import judge
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def correct_run(warm_launcher):
+    example = examples.correct(0, steps=STEPS)
+    return example, compare.run(example.setup, example.configurations, progress=False)
+
+
+@pytest.fixture(scope="module")
+def planted_run(warm_launcher):
+    """Every planted bug that shares the correct setup, compared in one run (fewer launches)."""
+    names = [n for n in examples.PLANTED if n != "summed_loss"]
+    found = [examples.planted_example(n, steps=2) for n in names]
+    configs = [c for ex in found for c in ex.configurations]
+    expected = {label: e for ex in found for label, e in ex.expected.items()}
+    return expected, compare.run(found[0].setup, configs, progress=False)
+
+
+def test_correct_example_is_rounding_in_every_configuration(correct_run):
+    example, result = correct_run
+    assert set(result.kinds) == set(example.expected)
+    for label, verdict in result.verdicts.items():
+        assert verdict.kind == "rounding", (label, verdict.headline)
+        assert verdict.steps_completed == STEPS
+        assert verdict.max_deviation <= referee.ROUNDING_MARGIN
+        assert verdict.first_divergence is None and verdict.finding is None
+        assert verdict.values("within_band")["steps_compared"] == STEPS
+    # DDP and FSDP2 keep every rank bitwise identical.
+    assert result.verdict("ddp W=2").values("ranks_agree")["max_rank_distance"] == 0.0
+
+
+def test_bfloat16_is_judged_against_a_bfloat16_reference(correct_run):
+    _, result = correct_run
+    frame = result.records
+    bands = frame[(frame["metric"] == "band") & (frame["param"] == referee.MODEL) & (frame["quantity"] == "grad")]
+    bf16 = bands[bands["config"] == "fsdp2 W=2 bfloat16"]
+    fp32 = bands[bands["config"] == "fsdp2 W=2"]
+    assert set(bf16["band_run"]) == {"reference bfloat16"} and set(fp32["band_run"]) == {"reference"}
+    # bfloat16 rounds ~2^16 times coarser than float32: so does its band.
+    assert bf16["value"].min() > 1000 * fp32["value"].max()
+    # Judged against the float32 reference's band it would be far beyond the margin.
+    dist = frame[(frame["metric"] == "distance_to_truth") & (frame["config"] == "fsdp2 W=2 bfloat16")]
+    assert dist["value"].max() / fp32["value"].max() > referee.BUG_MARGIN
+
+
+def test_records_are_tidy_and_cover_every_step_param_and_quantity(correct_run):
+    example, result = correct_run
+    frame = result.records
+    assert list(frame.columns[:5]) == ["step", "rank", "bucket", "metric", "value"]
+    names = [n for n, _ in example.setup.model().named_parameters()] + [referee.MODEL]
+    dev = frame[(frame["metric"] == "deviation") & (frame["config"] == "ddp W=2")]
+    assert len(dev) == STEPS * len(names) * 2
+    assert set(dev["param"]) == set(names) and set(dev["quantity"]) == {"grad", "param"}
+    for metric in ("distance_to_truth", "distance_to_reference", "band", "rank_distance", "loss",
+                   "grad_norm", "optimizer_steps", "steps_completed"):
+        assert (frame["metric"] == metric).any(), metric
+    # Losses stream from every rank of every run, the truth and the reference included.
+    losses = frame[frame["metric"] == "loss"]
+    assert {"reference", "truth", "reference bfloat16"} <= set(losses["config"])
+    assert set(losses[losses["config"] == "ddp W=2"]["rank"]) == {0, 1}
+    # The verdicts are a function of the records alone.
+    for label, verdict in result.verdicts.items():
+        again = judge(frame, label)
+        assert (again.kind, again.max_deviation) == (verdict.kind, verdict.max_deviation)
+
+
+def test_reference_and_configuration_losses_agree_to_rounding(correct_run):
+    _, result = correct_run
+    frame = result.records
+    loss = frame[frame["metric"] == "loss"].groupby(["config", "step"])["value"].mean()
+    for label in ("ddp W=2", "accumulate W=2 k=2", "fabric W=2", "fsdp2 W=2"):
+        for step in range(STEPS):
+            assert loss[(label, step)] == pytest.approx(loss[("reference", step)], rel=1e-5)
+    for step in range(STEPS):
+        assert loss[("truth", step)] == pytest.approx(loss[("reference", step)], rel=1e-5)
+
+
+def test_summed_loss_is_a_factor_of_one_over_w():
+    example = examples.planted_example("summed_loss", steps=2)
+    result = compare.run(example.setup, example.configurations, progress=False)
+    (label, expected), = example.expected.items()
+    verdict = result.verdict(label)
+    assert (verdict.kind, verdict.finding) == ("bug", "factor")
+    values = verdict.values("factor")
+    assert values["factor"] == pytest.approx(expected.factor, rel=1e-4)
+    assert values["factor_name"] == "1/W" and values["step"] == 0
+    assert verdict.first_divergence == 0
+    assert verdict.max_deviation >= referee.BUG_MARGIN
+    assert "0.5 = 1/W" in verdict.headline
+
+
+def test_planted_bugs_are_named_with_the_right_kind(planted_run):
+    expected, result = planted_run
+    for label, exp in expected.items():
+        verdict = result.verdict(label)
+        assert verdict.kind == exp.verdict, (label, verdict.headline)
+        assert verdict.finding == exp.finding, (label, verdict.headline)
+        assert verdict.first_divergence == 0
+        values = verdict.values(exp.finding)
+        if exp.factor is not None:
+            assert values["factor"] == pytest.approx(exp.factor, rel=1e-4)
+        if exp.missing is not None:
+            assert tuple(values["missing_pieces"]) == exp.missing
+
+
+def test_missing_contribution_weights_and_desync_ranks_are_data(planted_run):
+    _, result = planted_run
+    zero_grad = result.verdict("zero_grad_in_loop W=2 k=4").values("missing_contribution")
+    # Only the last micro-batch of each rank survives, with its reference weight.
+    assert zero_grad["piece_weights"] == pytest.approx([0, 0, 0, 1, 0, 0, 0, 1], abs=1e-4)
+    assert zero_grad["residual_config"] < 1e-5 and zero_grad["residual_truth"] < 1e-12
+    desync = result.verdict("no_allreduce W=2")
+    assert desync.values("desync")["rank_deviation"][1] > referee.BUG_MARGIN
+    assert desync.values("ranks_agree")["max_rank_distance"] > 0
+    assert not any(f.holds for f in desync.findings if f.key == "ranks_agree")
+    # Rank 0 trained on its own share alone: rank 1's piece is missing, its own counts W times.
+    assert desync.values("desync")["piece_weights"] == pytest.approx([2, 0], abs=1e-4)
+
+
+def test_a_comm_hook_configuration_is_compared_too(warm_launcher):
+    from ddplab.comm_hooks import AuditState, audit_hook
+
+    setup = examples.digits_setup(1, steps=2)
+    result = compare.run(setup, [compare.DDP(2, comm_hook=audit_hook, hook_state=AuditState,
+                                             bucket_cap_mb=0.001)], progress=False)
+    verdict, = result.verdicts.values()
+    assert verdict.kind == "rounding"
+    # The hook's own records stream back with the comparison's.
+    assert (result.records["metric"] == "matches_order").any()
+
+
+def test_verdicts_render_as_markdown_and_as_a_ddplab_verdict(planted_run):
+    _, result = planted_run
+    text = result.to_markdown()
+    assert "| zero_grad_in_loop W=2 k=4 | **bug** |" in text
+    verdict = result.verdict("no_allreduce W=2").to_verdict()
+    assert verdict.kind == "bug" and verdict.finding("desync").holds
+    assert "rank 1" in verdict.finding("desync").claim
+    assert not math.isnan(result.verdict("no_allreduce W=2").max_deviation)
+
+
+def test_the_readme_example_runs_in_a_few_lines(warm_launcher):
+    import torch.nn.functional as F
+
+    from ddplab.compare.examples import _batches, _build
+
+    setup = compare.Setup(model=lambda: _build("mlp", 0), batches=_batches(0, 2, 8),
+                          loss=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    result = compare.run(setup, [compare.DDP(2), compare.Accumulate(2, k=2)], progress=False)
+    assert result.kinds == {"ddp W=2": "rounding", "accumulate W=2 k=2": "rounding"}

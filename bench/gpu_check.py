@@ -83,11 +83,14 @@ def main() -> None:
 
     @check("case 03: .cpu()/.cuda() round trip", 2, gpus)
     def _(g):
-        from ddplab.cases import device_roundtrip as case
-        params = case.PARAMETERS.validate({"roundtrip": ["none", "device"], "framework": ["ddp"],
-                                           "steps": 8})
+        from ddplab.cases import get_case
+        case = get_case("device_roundtrip")
+        params = case.check_params({"roundtrip": ["none", "device"], "framework": ["ddp"],
+                                    "steps": 8})
         verdict = case.verdict(case.run(params, progress=False), params)
-        return f"{verdict.kind}: " + ", ".join(f"{f.key}={f.holds}" for f in verdict.findings)
+        return (f"{verdict.kind}, buckets per backward after the round trip "
+                f"{verdict.values['buckets_after']}: "
+                + ", ".join(f"{f.key}={f.holds}" for f in verdict.findings))
 
     width = max(len(r[0]) for r in ROWS)
     print(f"\n{'check':<{width}}  {'status':<8} {'seconds':>8}  result")

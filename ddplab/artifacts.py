@@ -19,7 +19,7 @@ from ddplab.records import to_frame
 from ddplab.verdict import Verdict
 
 __all__ = ["CaseResults", "save_results", "load_results", "write_jsonl", "read_jsonl",
-           "atomic_write_text"]
+           "atomic_write_text", "atomic_write_bytes", "local_path_scrubber", "scrub_notebook"]
 
 
 @dataclasses.dataclass
@@ -30,19 +30,45 @@ class CaseResults:
     environment: dict
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and a rename (never half-written)."""
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux), else by the set-and-restore dance."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file and a rename (never half-written).
+
+    The file gets the mode any new file gets (0666 less the umask): reports
+    are meant to be shared, and mkstemp's private 0600 would hide them.
+    """
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _json_default(obj):
@@ -112,3 +138,54 @@ def load_results(directory: str | os.PathLike) -> CaseResults:
     return CaseResults(records=to_frame(read_jsonl(directory / "records.jsonl")),
                        verdict=verdict, params=_json("params.json"),
                        environment=_json("environment.json"))
+
+
+def local_path_scrubber(*extra: str | os.PathLike):
+    """A function that replaces this machine's paths in published text by neutral names.
+
+    Reports go to issue threads: tracebacks and logs keep their file names
+    and lines, but not where this machine keeps them. Replaced, longest
+    first: the Python environment (``<python>``), ddplab's folder
+    (``<ddplab>``), ``extra`` folders (by their names), the working
+    directory (``.``), the temporary directory (``<tmp>``) and the home
+    directory (``~``).
+    """
+    import sys
+
+    import ddplab
+
+    places = {str(pathlib.Path(sys.prefix).resolve()): "<python>",
+              str(pathlib.Path(sys.base_prefix).resolve()): "<python>",
+              str(pathlib.Path(ddplab.__file__).resolve().parent.parent): "<ddplab>",
+              os.getcwd(): ".",
+              str(pathlib.Path(tempfile.gettempdir()).resolve()): "<tmp>",
+              str(pathlib.Path.home()): "~"}
+    for folder in extra:
+        places[str(pathlib.Path(folder).resolve())] = f"<{pathlib.Path(folder).name}>"
+    # Longest first, so that a path inside another is replaced by its most specific name.
+    ordered = sorted(((p, name) for p, name in places.items() if len(p) > 1),
+                     key=lambda item: -len(item[0]))
+
+    def scrub(text: str) -> str:
+        for path, name in ordered:
+            text = text.replace(path, name)
+        return text
+
+    return scrub
+
+
+def scrub_notebook(nb, scrub) -> None:
+    """Apply ``scrub`` to a notebook's sources and text outputs, in place (images untouched:
+    base64 can hold any short path by chance)."""
+    for cell in nb.cells:
+        cell.source = scrub(cell.source)
+        for out in cell.get("outputs", []):
+            if "text" in out:
+                out["text"] = scrub(out["text"])
+            if "traceback" in out:
+                out["traceback"] = [scrub(line) for line in out["traceback"]]
+            if "evalue" in out:
+                out["evalue"] = scrub(out["evalue"])
+            for mime, value in out.get("data", {}).items():
+                if mime.startswith("text/") and isinstance(value, str):
+                    out["data"][mime] = scrub(value)

@@ -3,6 +3,7 @@
     ddplab report [CASE ...] [-p NAME VALUE ...] [--params FILE] [--quick]
                   [--output DIR] [--no-input] [--timeout SECONDS]
     ddplab run CASE|MODULE:FUNC --out DIR [-p NAME VALUE ...]   (under torchrun)
+    ddplab new-notebook CASE [-o FILE]  write a case's notebook from the template
     ddplab cases                      list the cases and their parameters
 """
 from __future__ import annotations
@@ -29,17 +30,37 @@ def _cmd_run(opts) -> int:
 
 
 def _cmd_cases(opts) -> int:
-    from ddplab.cases import CASES, get_case
-    for name in CASES:
-        module = get_case(name)
-        print(f"{name}  ({CASES[name][1]}, seed {module.SEED})\n  {module.TITLE}")
-        for line in module.PARAMETERS.help().splitlines():
+    from ddplab.cases import builtin_cases
+    for case in builtin_cases():
+        print(f"{case.name}  (notebook {case.notebook})\n  {case.title}")
+        for line in case.parameters.help().splitlines():
             print(f"    {line}")
     return 0
 
 
+def _cmd_new_notebook(opts) -> int:
+    import pathlib
+
+    import nbformat
+
+    from ddplab.notebook import template_notebook
+    try:
+        nb = template_notebook(opts.case, case_path=opts.case)
+        from ddplab.cases import get_case
+        out = pathlib.Path(opts.output) if opts.output else get_case(opts.case).notebook_path()
+    except ValueError as exc:
+        print(f"ddplab new-notebook: {exc}", file=sys.stderr)
+        return 2
+    if out.exists() and not opts.force:
+        print(f"ddplab new-notebook: {out} exists (--force replaces it)", file=sys.stderr)
+        return 2
+    nbformat.write(nb, out)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from ddplab.report import DEFAULT_TIMEOUT, NOTEBOOK_DIR
+    from ddplab.report import DEFAULT_TIMEOUT
 
     parser = argparse.ArgumentParser(prog="ddplab", description="Reproduce data-parallel training "
                                      "reports, measure them exactly, publish reports.")
@@ -47,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="run the case notebooks and publish reports/",
                             description="Run case notebooks with papermill; write HTML reports, "
                             "Markdown summaries and reports/index.html.")
-    report.add_argument("cases", nargs="*", help="cases to run (default: all); see 'ddplab cases'")
+    report.add_argument("cases", nargs="*", help="cases to run (default: all built-in ones; see "
+                        "'ddplab cases'), or a case module's path such as mypackage.mycase")
     report.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                         help="set a parameter for every selected case that has it "
                              "(lists as [2, 4] or 2,4)")
@@ -59,12 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hide code cells in the HTML (outputs and tracebacks stay)")
     report.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help=f"seconds per notebook before it is stopped (default {DEFAULT_TIMEOUT:g})")
-    report.add_argument("--notebooks", default=str(NOTEBOOK_DIR), help=argparse.SUPPRESS)
     report.set_defaults(func=_cmd_report)
     run = sub.add_parser("run", help="run a case on this rank (start it with torchrun)",
                          description="Run a case's worker (or MODULE:FUNC) on every torchrun rank; "
                          "rank 0 writes the merged results folder that notebooks read as run_dir.")
-    run.add_argument("target", help="a case name (see 'ddplab cases') or MODULE:FUNCTION")
+    run.add_argument("target", help="a case name (see 'ddplab cases'), a case module's path "
+                     "(mypackage.mycase) or MODULE:FUNCTION")
     run.add_argument("--out", required=True, help="the run folder (rank files, merged results)")
     run.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                      help="set a case parameter")
@@ -72,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=1800.0,
                      help="seconds any collective may wait for a peer (default 1800)")
     run.set_defaults(func=_cmd_run)
+    new = sub.add_parser("new-notebook", help="write the notebook of a case (its parameters cell "
+                         "mirrors the case's parameters)",
+                         description="Write a case's notebook from ddplab's template: the parameters "
+                         "cell from the case's declared parameters, then run, figures and verdict.")
+    new.add_argument("case", help="the case: its module path, e.g. mypackage.mycase")
+    new.add_argument("-o", "--output", help="where to write it (default: the case's notebook path)")
+    new.add_argument("--force", action="store_true", help="replace an existing file")
+    new.set_defaults(func=_cmd_new_notebook)
     cases = sub.add_parser("cases", help="list the cases and their parameters")
     cases.set_defaults(func=_cmd_cases)
     return parser

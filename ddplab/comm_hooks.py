@@ -7,8 +7,10 @@ returns a future of the averaged bucket. Three hooks, one question each:
 
 * :func:`audit_hook` -- "is what the backend computed rounding, or a bug?"
   It performs the normal reduction and, on audited steps, also gathers every
-  rank's contribution and measures the live result against the correctly
-  rounded mean (ulps, absolute error, multiples of the rounding bound).
+  rank's contribution and hands the live result to ddplab's referee
+  (:func:`ddplab.numerics.measure`): bit for bit against the emulated order
+  where that order is bit-exact, else against the rounding bound, and
+  against the correctly rounded mean in ulps and absolute error.
 * :func:`order_hook` -- "what would another backend have computed?" It
   replaces the backend's reduction by an emulated order (gloo ring, NCCL ring
   or tree, sequential, exact), computed identically on every rank.
@@ -38,8 +40,11 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as _torch_hooks
+
 from ddplab import records as _records
 from ddplab.numerics import accuracy as _accuracy
+from ddplab.numerics import bounds as _bounds
 from ddplab.numerics import fixed_point as _fixed_point
 from ddplab.numerics import orders as _orders
 from ddplab.probes import all_gather_flat
@@ -55,11 +60,14 @@ __all__ = [
     "reproducible_hook",
 ]
 
-#: The order whose rounding bound judges a live result, per backend (both ring depths are W-1).
+#: The order that models a live result, per backend (both ring depths are W-1).
 BACKEND_ORDER = {"gloo": "gloo_ring", "nccl": "nccl_ring"}
+#: Backends whose live order ddplab emulates bit for bit (gloo's ring, checked
+#: against live gloo); NCCL's chunking depends on protocol and channels.
+BIT_EXACT_BACKENDS = ("gloo",)
 #: DDP's reducer averages by multiplying with 1/W before the SUM (float32's 1/W,
 #: in float32, for half-precision buckets: torch's mul_ by a Python float).
-DDP_AVERAGING = "multiply_float32_reciprocal"
+DDP_AVERAGING = _orders.DDP_AVERAGING
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -166,6 +174,33 @@ class AuditAlarm(RuntimeError):
         return (type(self), self.args)
 
 
+def _inner_reduction(inner: Hook | None, inner_state: Any) -> dict:
+    """How a known inner hook reduces: the options of :func:`ddplab.numerics.reduce` it amounts to.
+
+    ``emulated`` is True when the hook computes the order with ddplab's own
+    emulation (so that order is bit-exact for its result), False when it
+    computes something else than any order (the fixed-point hook), None when
+    it goes through the backend's allreduce.
+    """
+    if inner is None or inner is ddp_default_hook:
+        return dict(averaging=DDP_AVERAGING, emulated=None)
+    if inner is _torch_hooks.allreduce_hook:
+        return dict(averaging="divide_first", emulated=None)
+    if inner is _torch_hooks.fp16_compress_hook:   # cast, divide by W, SUM in float16, cast back
+        return dict(averaging="divide_first", reduce_dtype=torch.float16, emulated=None)
+    if inner is _torch_hooks.bf16_compress_hook:
+        return dict(averaging="divide_first", reduce_dtype=torch.bfloat16, emulated=None)
+    if inner is order_hook and isinstance(inner_state, OrderState):
+        return dict(order=inner_state.order, averaging=inner_state.averaging,
+                    accumulate=inner_state.accumulate, reduce_dtype=inner_state.reduce_dtype,
+                    options=dict(inner_state._user_options), emulated=True)
+    if inner is reproducible_hook:
+        # Aims at one correct rounding of the mean; bit for bit only as often as int64 holds it.
+        return dict(order="exact", averaging=None, emulated=False)
+    # Any other hook: assumed to wrap DDP's own reduction (as fault-injecting wrappers do).
+    return dict(averaging=DDP_AVERAGING, emulated=None)
+
+
 class AuditState(_StepState):
     """State for :func:`audit_hook`.
 
@@ -175,17 +210,33 @@ class AuditState(_StepState):
     ``inner`` / ``inner_state``: the hook that performs the live reduction
     (default :func:`ddp_default_hook`), so any hook -- fp16 compression,
     :func:`order_hook`, :func:`reproducible_hook` -- can be audited.
-    ``order`` and ``averaging`` say how the live result was computed, which
-    sets its rounding bound: by default the backend's ring (depth W-1) and
-    DDP's multiply-by-1/W. ``raise_on_alarm`` makes a "not rounding" bucket
-    raise :class:`AuditAlarm` in the future's callback, which DDP's
-    ``backward()`` re-raises as a RuntimeError quoting it; every alarm is
-    kept in ``alarms`` either way. ``labels`` are added to every record.
+
+    How the live result was computed, which decides its model and bound:
+    ``order``, ``averaging``, ``reduce_dtype`` (the dtype the reduction runs
+    in when the hook casts the bucket, e.g. float16 for torch's
+    ``fp16_compress_hook``), ``accumulate`` and ``options`` (the order's).
+    Left as None they are inferred from the inner hook: DDP's own reduction
+    (the backend's ring, multiply by 1/W), torch's ``allreduce_hook``
+    (divide by W first), torch's ``fp16_compress_hook`` and
+    ``bf16_compress_hook`` (divide first, in float16/bfloat16),
+    :func:`order_hook` (its state's order and options), :func:`reproducible_hook`
+    (the exact mean); any other hook is assumed to wrap DDP's reduction.
+    ``bitwise``: whether the live result must equal the emulated order bit
+    for bit (default: when an :func:`order_hook` computed that order, or
+    when the order is the live backend's and ddplab emulates it bit for bit
+    -- gloo's ring; never for live NCCL); pass False for a hook that
+    computes something no order does.
+
+    ``raise_on_alarm`` makes a "not rounding" bucket raise
+    :class:`AuditAlarm` in the future's callback, which DDP's ``backward()``
+    re-raises as a RuntimeError quoting it; every alarm is kept in
+    ``alarms`` either way. ``labels`` are added to every record.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, *, audit_every: int = 1,
                  names=None, inner: Hook | None = None, inner_state: Any = None,
-                 order: str | None = None, averaging: str | None = DDP_AVERAGING,
+                 order: str | None = None, averaging: str | None = None, reduce_dtype=None,
+                 accumulate=None, bitwise: bool | None = None, options: Mapping[str, Any] | None = None,
                  raise_on_alarm: bool = False, labels: Mapping[str, Any] | None = None):
         if isinstance(audit_every, bool) or not isinstance(audit_every, int) or audit_every < 1:
             raise ValueError(f"audit_every must be an int >= 1, got {audit_every!r}")
@@ -195,15 +246,40 @@ class AuditState(_StepState):
             raise ValueError(f"unknown averaging {averaging!r}; choose one of {', '.join(_orders.AVERAGING)}")
         if inner is not None and not callable(inner):
             raise ValueError(f"inner must be a comm hook (state, bucket) -> Future, got {type(inner).__name__}")
+        if bitwise is not None and not isinstance(bitwise, bool):
+            raise ValueError(f"bitwise must be True, False or None, got {bitwise!r}")
+        known = _inner_reduction(inner, inner_state)
+        order = order if order is not None else known.get("order")
+        if averaging is None:
+            averaging = known.get("averaging")
+        reduce_dtype = reduce_dtype if reduce_dtype is not None else known.get("reduce_dtype")
+        accumulate = accumulate if accumulate is not None else known.get("accumulate")
+        options = dict(options) if options is not None else dict(known.get("options", {}))
+        if order is not None:   # everything reduce() would reject, before any process group is needed
+            _orders.check_reduction(order, op="avg", averaging=None if order == "exact" else averaging,
+                                    accumulate=accumulate, reduce_dtype=reduce_dtype, **options)
         super().__init__(process_group)
         self.audit_every = audit_every
         self.names = _param_names(names)
         self.inner = inner
         self.inner_state = inner_state
+        backend = dist.get_backend(process_group)
         if order is None:
-            order = BACKEND_ORDER.get(dist.get_backend(process_group), "sequential")
+            order = BACKEND_ORDER.get(backend, "sequential")
+        spec = _orders.check_reduction(order, self.world_size, op="avg",
+                                       averaging=None if order == "exact" else averaging,
+                                       accumulate=accumulate, reduce_dtype=reduce_dtype, **options)
         self.order = order
-        self.averaging = averaging
+        self.averaging = None if order == "exact" else spec["averaging"]
+        self.reduce_dtype = spec["reduce_dtype"]
+        self.accumulate = spec["accumulate"]
+        self.options = options
+        if bitwise is None:
+            if known["emulated"] is not None:
+                bitwise = known["emulated"] and known.get("order") == order
+            else:
+                bitwise = backend in BIT_EXACT_BACKENDS and BACKEND_ORDER.get(backend) == order
+        self.bitwise = bitwise
         self.raise_on_alarm = raise_on_alarm
         self.labels = dict(labels or {})
         for key, value in self.labels.items():
@@ -218,10 +294,19 @@ class AuditState(_StepState):
     def _bucket_params(self, bucket: dist.GradBucket) -> str:
         return ",".join(self.names.get(id(p), f"?{list(p.shape)}") for p in bucket.parameters())
 
+    def _reduction(self) -> dict:
+        """The keyword arguments of reduce()/measure() that describe the live reduction."""
+        return dict(op="avg", averaging=self.averaging, accumulate=self.accumulate,
+                    reduce_dtype=self.reduce_dtype)
 
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.view(ints) == b.view(ints)
+
+def _alarm_message(step: int, index: int, params: str, state: AuditState, m: dict) -> str:
+    where = f"step {step}, bucket {index} ({params}): the reduced gradient"
+    if m["evidence"] == "bitwise":
+        return (f"{where} differs from the emulated {state.order} order in {m['differs_count']} of "
+                f"{m['numel']} elements (first at {m['first_differs']}; "
+                f"{m['max_bound_ratio']:.3g}x the rounding bound): not rounding")
+    return f"{where} is {m['max_bound_ratio']:.3g}x the rounding bound away from the exact mean: not rounding"
 
 
 def _audit_fut(state: AuditState, bucket: dist.GradBucket, step: int) -> torch.futures.Future:
@@ -241,41 +326,39 @@ def _audit_fut(state: AuditState, bucket: dist.GradBucket, step: int) -> torch.f
         result = _first_tensor(live.value())
         mine, contributions = result.detach().cpu(), gathered.cpu()
         with _rank_threads():
-            # The result the backend's order gives, the same on every rank: a
-            # live result equal to it bit for bit is that order's rounding.
-            expected = _orders.reduce(contributions, state.order, op="avg",
-                                      averaging=None if state.order == "exact" else state.averaging)
-            matches = _bitwise_equal(mine, expected)
+            # The result the order gives, the same on every rank: where that order is
+            # bit-exact, a live result equal to it bit for bit is that order's rounding
+            # and anything else is not.
+            expected = _orders.reduce(contributions, state.order, **state._reduction(), **state.options)
+            matches = _accuracy.same_bits(mine, expected)
             differs = not bool(matches.all())
             _records.emit("matches_order", float(matches.to(torch.float64).mean()), step=step,
-                          bucket=index, rank=rank, order=state.order, **labels)
+                          bucket=index, rank=rank, order=state.order, bit_exact=state.bitwise, **labels)
             if not (auditor or differs):
                 return result
             # The exact reference is computed on the CPU (float64 + exact fallback).
-            recs = _accuracy.error_records(
-                mine, contributions, state.order, op="avg", averaging=state.averaging, step=step,
-                rank=rank, bucket=index, reason="rotation" if auditor else "differs_from_order",
-                **labels)
-        within = next(r["value"] for r in recs if r["metric"] == "within_bound")
-        verdict = "rounding" if within == 1.0 else "not rounding"
+            m = _accuracy.measure(mine, contributions, state.order, expected=expected, bitwise=state.bitwise,
+                                  **state._reduction(), **state.options)
+            recs = _accuracy.records_of(m, mine, contributions, state.order, step=step, rank=rank,
+                                        bucket=index, reason="rotation" if auditor else "differs_from_order",
+                                        **state._reduction(), **labels)
         for rec in recs:
-            rec["verdict"] = verdict
             fields = {k: v for k, v in rec.items() if k not in _records.RECORD_COLUMNS}
             _records.emit(rec["metric"], rec["value"], step=step, bucket=index, rank=rank, **fields)
-        if verdict != "rounding":
-            ratio = next(r["value"] for r in recs if r["metric"] == "max_bound_ratio")
-            alarm = dict(step=step, bucket=index, params=params, max_bound_ratio=ratio)
-            state.alarms.append(alarm)
+        if m["classification"] == _bounds.NOT_ROUNDING:
+            state.alarms.append(dict(step=step, bucket=index, params=params, verdict=m["classification"],
+                                     evidence=m["evidence"], max_bound_ratio=m["max_bound_ratio"],
+                                     frac_matches_order=m["frac_matches_order"],
+                                     differs_count=m["differs_count"], first_differs=m["first_differs"]))
             if state.raise_on_alarm:
-                raise AuditAlarm(f"step {step}, bucket {index} ({params}): the reduced gradient is "
-                                 f"{ratio:.3g}x the rounding bound away from the exact mean: not rounding")
+                raise AuditAlarm(_alarm_message(step, index, params, state, m))
         return result
 
     return torch.futures.collect_all([work.get_future(), live]).then(audit)
 
 
 def audit_hook(state: AuditState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Reduce as usual and, on audited steps, measure the result against the exact mean.
+    """Reduce as usual and, on audited steps, referee the result against the emulated order and the exact mean.
 
     Returns the live reduction's result unchanged (with the default inner
     hook, bitwise what DDP computes without a hook). On steps divisible by
@@ -283,29 +366,34 @@ def audit_hook(state: AuditState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     * every rank emits ``matches_order``: the fraction of its result's
       elements bitwise equal to what ``state.order`` computes from the
-      gathered contributions (1.0 on gloo with the default order);
+      gathered contributions (1.0 on gloo with the default order), labelled
+      ``bit_exact`` (whether that order is bit-exact for this result);
     * one rank per bucket, in rotation, and every rank whose result differs
-      from the order's anywhere, measure their full result against the
-      correctly rounded mean and emit the
-      :data:`ddplab.numerics.accuracy.METRICS` (``numel``, ``max_ulp``,
-      ``mean_ulp``, ``frac_correctly_rounded``, ``max_abs_error``,
-      ``max_rel_error``, ``max_bound_ratio``, ``within_bound``) with labels
-      ``hook="audit"``, ``params`` (the bucket's parameter names), ``order``,
-      ``op``, ``dtype``, ``world_size``, ``reason`` (``rotation`` or
-      ``differs_from_order``) and ``verdict``: "rounding" when every
-      element's error is within the order's rounding bound (γ_d·Σ|x_r|
-      with d the order's depth), "not rounding" beyond.
+      from the order's anywhere, measure their full result with
+      :func:`ddplab.numerics.measure` and emit its
+      :data:`~ddplab.numerics.accuracy.METRICS` with labels
+      ``hook="audit"``, ``params`` (the bucket's parameter names),
+      ``order``, ``op``, ``dtype``, ``world_size``, ``reason``
+      (``rotation`` or ``differs_from_order``), ``verdict`` and
+      ``evidence``. Where the order is bit-exact (``state.bitwise``) a result
+      that differs from it in any bit is "not rounding"; otherwise the
+      verdict is the rounding bound's (γ_d·Σ|x_r| with d the order's depth,
+      the casts of ``reduce_dtype`` included), or "undetermined" where that
+      bound is infinite.
 
-    Why not every rank in full: a result equal bit for bit to the order's is
-    measured once for all ranks holding it, and a rank holding anything
-    else -- a fault on that rank alone -- still measures its own. The
-    measurement (W times cheaper this way) is most of an audited step's
-    cost; the rest is one all_gather of the bucket (W times its size).
-    Steps that are not audited cost nothing extra.
+    A "not rounding" verdict is an alarm (``state.alarms``; raised with
+    ``raise_on_alarm``). Why not every rank in full: a result equal bit for
+    bit to the order's is measured once for all ranks holding it, and a rank
+    holding anything else -- a fault on that rank alone -- still measures
+    its own. The measurement (W times cheaper this way) is most of an
+    audited step's cost; the rest is one all_gather of the bucket (W times
+    its size). Steps that are not audited cost nothing extra.
 
     Example::
         >>> state = AuditState(audit_every=10, names=ddp_model)
         >>> ddp_model.register_comm_hook(state, audit_hook)
+        >>> # torch's compression hook, audited in float16 (inferred from the hook):
+        >>> ddp_model.register_comm_hook(AuditState(inner=fp16_compress_hook), audit_hook)
     """
     step = state._advance(bucket)
     if step % state.audit_every:
@@ -317,25 +405,28 @@ def audit_hook(state: AuditState, bucket: dist.GradBucket) -> torch.futures.Futu
 
 
 class OrderState(_StepState):
-    """State for :func:`order_hook`: the emulated ``order``, its ``averaging`` and options.
+    """State for :func:`order_hook`: the emulated ``order`` and everything :func:`ddplab.numerics.reduce` takes.
 
     ``averaging`` defaults to DDP's (multiply by fl(1/W), then sum), so
-    ``order="gloo_ring"`` reproduces DDP on gloo bit for bit; ``options`` are
-    the order's own (:func:`ddplab.numerics.orders.order_options`, e.g.
-    ``channels`` for ``nccl_ring``). Unknown orders or options raise
-    ValueError here, before any step.
+    ``order="gloo_ring"`` reproduces DDP on gloo bit for bit; ``accumulate``
+    computes in a wider dtype, ``reduce_dtype`` in another one (cast, reduce,
+    cast back, as compression hooks do); ``options`` are the order's own
+    (:func:`ddplab.numerics.orders.order_options`, e.g. ``channels`` for
+    ``nccl_ring``). Unknown orders, options or dtypes raise ValueError here,
+    before any step.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, order: str = "gloo_ring", *,
-                 averaging: str = DDP_AVERAGING, **options: Any):
-        _orders.order_options(order, **options)
-        if order != "exact" and averaging not in _orders.AVERAGING:
-            raise ValueError(f"unknown averaging {averaging!r}; choose one of {', '.join(_orders.AVERAGING)}")
+                 averaging: str = DDP_AVERAGING, accumulate=None, reduce_dtype=None, **options: Any):
+        spec = _orders.check_reduction(order, op="avg", averaging=None if order == "exact" else averaging,
+                                       accumulate=accumulate, reduce_dtype=reduce_dtype, **options)
         super().__init__(process_group)
         # Options that depend on W (ranks_per_node, ring) are checked now that W is known.
         self.options = _orders.order_options(order, self.world_size, **options)
         self.order = order
-        self.averaging = averaging
+        self.averaging = None if order == "exact" else spec["averaging"]
+        self.accumulate = spec["accumulate"]
+        self.reduce_dtype = spec["reduce_dtype"]
         self._user_options = options
 
 
@@ -351,6 +442,7 @@ def order_hook(state: OrderState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     Example::
         >>> ddp_model.register_comm_hook(OrderState(order="nccl_ring"), order_hook)
+        >>> ddp_model.register_comm_hook(OrderState(order="nccl_tree", accumulate=torch.float32), order_hook)
     """
     state._advance(bucket)
     buffer = bucket.buffer()
@@ -358,9 +450,9 @@ def order_hook(state: OrderState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     def reduce_in_order(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()
-        averaging = None if state.order == "exact" else state.averaging
         with _rank_threads():
-            out = _orders.reduce(gathered.cpu(), state.order, op="avg", averaging=averaging,
+            out = _orders.reduce(gathered.cpu(), state.order, op="avg", averaging=state.averaging,
+                                 accumulate=state.accumulate, reduce_dtype=state.reduce_dtype,
                                  **state._user_options)
         # The gather has completed, so the local input can be overwritten.
         return buffer.copy_(out)

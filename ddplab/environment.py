@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import sys
 
 __all__ = ["environment_info", "environment_markdown"]
 
@@ -29,7 +28,6 @@ def environment_info(backend: str | None = None, world_sizes: list[int] | None =
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None,
         "gloo": torch.distributed.is_gloo_available(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "executable": sys.executable,
     }
     if backend is not None:
         info["backend"] = backend

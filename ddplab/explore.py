@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from ddplab import launcher
-from ddplab.cases import CASES, get_case
+from ddplab.cases import Case, case_names, get_case
 from ddplab.parameters import Parameter
 from ddplab.plots import png_bytes, theme
 
@@ -88,8 +88,15 @@ def _widget_value(widget: w.Widget, p: Parameter) -> Any:
 class CaseExplorer:
     """Run a case from widgets: parameters, Run/Stop, per-run progress, figures, verdict."""
 
-    def __init__(self, case: str = "backend_divergence", **values: Any):
-        self.case_picker = w.Dropdown(options=list(CASES), value=case, description="case",
+    def __init__(self, case: "str | Case" = "backend_divergence", *, extra_cases: tuple = (),
+                 **values: Any):
+        # Built-in cases plus any given by module path (or as Case objects), loaded when picked.
+        chosen = get_case(case)
+        self._cases: dict[str, Any] = {name: name for name in case_names()}
+        for extra in (*extra_cases, case):
+            self._cases[get_case(extra).name] = extra
+        self.case_picker = w.Dropdown(options=list(self._cases), value=chosen.name,
+                                      description="case",
                                       style={"description_width": "120px"}, layout=w.Layout(width="420px"))
         self.form = w.VBox()
         self.run_button = w.Button(description="Run", button_style="primary", icon="play")
@@ -115,23 +122,23 @@ class CaseExplorer:
     # -- form ------------------------------------------------------------------------
 
     def _build_form(self, values: dict | None = None) -> None:
-        self.module = get_case(self.case_picker.value)
+        self.case = get_case(self._cases[self.case_picker.value])
         self.inputs = {}
-        for p in self.module.PARAMETERS:
+        for p in self.case.parameters:
             widget = parameter_widget(p)
             if values and p.name in values:
                 widget.value = values[p.name]
             self.inputs[p.name] = widget
         self.quick_button = w.Button(description="quick values", tooltip="small parameters: seconds per run")
-        self.quick_button.on_click(lambda _: self.set_values(**self.module.QUICK))
-        self.form.children = [w.HTML(f"<i>{html.escape(self.module.TITLE)}</i>"),
+        self.quick_button.on_click(lambda _: self.set_values(**self.case.quick))
+        self.form.children = [w.HTML(f"<i>{html.escape(self.case.title)}</i>"),
                               *self.inputs.values(), self.quick_button]
 
     def set_values(self, **values: Any) -> None:
         """Set parameter widgets by name (lists for multi-selects)."""
         for name, value in values.items():
             if name not in self.inputs:
-                raise ValueError(f"case {self.module.NAME!r} has no parameter {name!r}")
+                raise ValueError(f"case {self.case.name!r} has no parameter {name!r}")
             widget = self.inputs[name]
             if isinstance(widget, w.SelectMultiple):
                 value = tuple(value)
@@ -141,9 +148,9 @@ class CaseExplorer:
 
     def params(self) -> dict:
         """The validated parameters the widgets describe (ValueError naming a bad one)."""
-        raw = {name: _widget_value(widget, self.module.PARAMETERS[name])
+        raw = {name: _widget_value(widget, self.case.parameters[name])
                for name, widget in self.inputs.items()}
-        return self.module.check_params(raw)
+        return self.case.check_params(raw)
 
     # -- running ---------------------------------------------------------------------
 
@@ -163,7 +170,7 @@ class CaseExplorer:
         self.records = self.verdict = self.error = None
         self._bar_for = {}
         self.bars.children = []
-        self._steps = int(params.get("steps", 1))
+        self._steps = self.case.progress_total(params)
         self.output.clear_output()
         self.run_button.disabled = True
         self.stop_button.disabled = False
@@ -186,7 +193,7 @@ class CaseExplorer:
     def _bar(self, runner, rec: dict) -> w.IntProgress | None:
         if rec.get("rank") not in (0, None):
             return None
-        label = rec.get("run") or rec.get("order") or rec.get("mode") or rec.get("roundtrip") or ""
+        label = rec.get(self.case.run_label, "") if self.case.run_label else ""
         key = (id(runner), str(label))
         bar = self._bar_for.get(key)
         if bar is None:
@@ -206,12 +213,12 @@ class CaseExplorer:
         t0 = time.perf_counter()
         try:
             with launcher.observe(self._on_record):
-                records = self.module.run(params, progress=False)
+                records = self.case.run(params, progress=False)
             self.records = records
             for bar in self._bar_for.values():
                 bar.value, bar.bar_style = bar.max, "success"
-            self.verdict = self.module.verdict(records, params)
-            figures = self.module.figures(records, params)
+            self.verdict = self.case.verdict(records, params)
+            figures = self.case.figures(records, params)
             # append_* rather than `with self.output:`, which captures only on
             # the kernel's main thread and this runs in a background thread.
             from IPython.display import Image

@@ -2,7 +2,8 @@
 
 The stock nbconvert templates fetch require.js, MathJax and the widget
 manager from CDNs; ddplab's template (``templates/ddplab_report``) drops
-them, so a report is one file: inline CSS, base64 PNG figures, no script.
+them, so a report is one file: inline CSS, base64 PNG figures, formulas as
+MathML (:mod:`ddplab.math_markup`), no script.
 Each report starts with what an issue thread needs to trust the result:
 status, verdict, the parameters used and the environment.
 """
@@ -14,6 +15,7 @@ import pathlib
 import nbformat
 
 from ddplab.environment import environment_markdown
+from ddplab.math_markup import tex_to_mathml
 from ddplab.notebook import parameters_markdown
 from ddplab.verdict import Verdict
 
@@ -39,7 +41,11 @@ def header_markdown(*, title: str, status: str, seconds: float | None, verdict: 
             parts.append("\n```python\n" + failing_source.strip() + "\n```\n")
     parts.append("## Verdict\n")
     if verdict is not None:
-        parts.append(verdict.to_markdown())
+        parts.append(f"**Verdict ({verdict.kind}):** {verdict.headline}\n")
+        if verdict.scope:
+            parts.append(f"*Scope:* {verdict.scope}\n")
+        parts.append(verdict.key_numbers_markdown())
+        parts.append(verdict.findings_markdown())
     else:
         parts.append("_No verdict: the run ended before the verdict was computed._\n")
     if params:
@@ -63,6 +69,14 @@ def notebook_to_html(nb: nbformat.NotebookNode, *, header: str | None = None,
         nb.cells.insert(0, nbformat.v4.new_markdown_cell(header))
     # Widget state would make the template reference the CDN widget manager.
     nb.metadata.pop("widgets", None)
+    # No MathJax offline: formulas become MathML, which the browser renders itself.
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = tex_to_mathml(cell.source)
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if "text/markdown" in data:
+                data["text/markdown"] = tex_to_mathml(data["text/markdown"])
     exporter = HTMLExporter(template_name=TEMPLATE_NAME,
                             extra_template_basedirs=[str(TEMPLATE_DIR)])
     exporter.exclude_input = no_input

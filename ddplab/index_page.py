@@ -27,7 +27,7 @@ class CaseOutcome:
 
     name: str
     title: str
-    seed: str
+    reproduces: str | None
     status: str
     seconds: float
     verdict: Verdict | None
@@ -43,23 +43,50 @@ class CaseOutcome:
         return data
 
 
+def _reproduced_line(report_id: str | None) -> str:
+    if not report_id:
+        return ""
+    from ddplab.reproduced import report
+
+    try:
+        return f"Reproduces {report(report_id).citation()}."
+    except ValueError:
+        return ""
+
+
 def summary_markdown(outcome: CaseOutcome, *, params: dict, environment: dict | None,
                      figure_name: str | None, command: str) -> str:
-    """The Markdown to paste into an issue thread (figure referenced beside it)."""
+    """The Markdown to paste into an issue thread: short first, the full evidence folded.
+
+    Verdict and headline, the scope line, a table of the key numbers, the key
+    figure and the command that reproduces the run lead; every finding with
+    its evidence, the parameters and the environment follow in ``<details>``.
+    """
     lines = [f"### ddplab: {outcome.title}", ""]
     if outcome.status != "ok":
         lines += [f"**Status: {outcome.status}** — {outcome.error}", ""]
-    if outcome.verdict is not None:
-        lines.append(outcome.verdict.to_markdown())
+    verdict = outcome.verdict
+    if verdict is not None:
+        lines += [f"**Verdict: {verdict.kind}.** {verdict.headline}", ""]
+        if verdict.scope:
+            lines += [f"*Scope:* {verdict.scope}", ""]
+        if verdict.key_numbers:
+            lines.append(verdict.key_numbers_markdown())
     else:
         lines.append("_No verdict: the run ended before the verdict was computed._\n")
     if figure_name:
         lines += [f"![key figure]({figure_name})", ""]
+    lines += [f"Reproduce: `{command}` (run time {outcome.seconds:.1f} s). "
+              + _reproduced_line(outcome.reproduces), ""]
+    if verdict is not None:
+        held = sum(f.holds is True for f in verdict.findings)
+        lines += [f"<details><summary>All {len(verdict.findings)} findings ({held} hold)</summary>",
+                  "", verdict.findings_markdown(), "</details>", ""]
     lines += ["<details><summary>Parameters and environment</summary>", "",
               parameters_markdown(params)]
     if environment:
         lines.append(environment_markdown(environment))
-    lines += ["</details>", "", f"Reproduce: `{command}` (run time {outcome.seconds:.1f} s)", ""]
+    lines += ["</details>", ""]
     return "\n".join(lines)
 
 
@@ -88,7 +115,7 @@ def index_html(outcomes: list[CaseOutcome], *, total_seconds: float, title: str 
                  if o.key_figure else "")
         rows.append(
             f"<tr><td><b>{html.escape(o.title)}</b><br><span class='muted'>{html.escape(o.name)}"
-            f" — seed {html.escape(o.seed)}</span></td>"
+            f"{' — reproduces ' + html.escape(o.reproduces) if o.reproduces else ''}</span></td>"
             f"<td><span class='status {css}'>{html.escape(o.status)}</span></td>"
             f"<td>{verdict}</td><td>{o.seconds:.1f} s</td>"
             f"<td><a href='{html.escape(o.report)}'>report</a><br>"

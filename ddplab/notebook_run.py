@@ -1,7 +1,7 @@
 """Execute one notebook with papermill, in a subprocess, under a wall-clock timeout.
 
 Papermill's own ``--execution-timeout`` is per cell, and a per-cell timeout or
-a dead kernel leaves *no* error banner in the output notebook (NOTEBOOKS.md).
+a dead kernel leaves *no* error banner in the output notebook (papermill 2.7).
 So the outcome is judged from the exit code, our own clock and the cells'
 papermill status -- never from the notebook's look. Papermill saves the
 output notebook after every cell, so a killed run still leaves the cells

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from typing import Sequence
 
 import matplotlib.pyplot as plt
@@ -19,7 +20,8 @@ import seaborn as sns
 
 from ddplab.records import where
 
-__all__ = ["show", "png_bytes", "metric_lines", "metric_heatmap", "select", "theme"]
+__all__ = ["show", "png_bytes", "metric_lines", "metric_heatmap", "select", "theme",
+           "facet_axes", "own_axes", "legend_outside", "log_floor", "draw_zero_floor", "series_lines"]
 
 #: Resolution of displayed and saved figures: sharp enough, small enough for < 2 MB reports.
 DPI = 90
@@ -114,3 +116,88 @@ def metric_heatmap(frame, metric: str, *, index: str = "bucket", columns: str = 
             ax.set_title(title)
         fig.tight_layout()
     return fig
+
+
+# --------------------------------------------------------------------------- scaffolding for case figures
+
+
+def own_axes(ax=None, figsize: tuple[float, float] = (6.0, 3.6)):
+    """``(figure, ax)``: ``ax`` and its figure when given, else a new figure with one axes.
+
+    Every single-panel figure function takes ``ax=None`` and starts with this,
+    so a caller can compose panels of several cases in one figure.
+    """
+    if ax is not None:
+        return ax.figure, ax
+    with theme():
+        fig, ax = plt.subplots(figsize=figsize)
+    return fig, ax
+
+
+def facet_axes(n: int, *, ncols: int | None = None, width: float = 4.6, height: float = 3.4,
+               sharey: bool = False, sharex: bool = False):
+    """``(figure, [axes])``: ``n`` panels in a row (or ``ncols`` per row), under ddplab's theme."""
+    if n < 1:
+        raise ValueError("a figure needs at least one panel")
+    ncols = min(n, ncols or n)
+    nrows = math.ceil(n / ncols)
+    with theme():
+        fig, grid = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
+                                 sharey=sharey, sharex=sharex, squeeze=False)
+    axes = list(grid.flat)
+    for extra in axes[n:]:
+        extra.set_visible(False)
+    return fig, axes[:n]
+
+
+def legend_outside(fig, axes=None, *, title: str | None = None) -> None:
+    """One legend for the whole figure, right of the panels, each label once."""
+    handles: dict[str, object] = {}
+    for ax in (axes if axes is not None else fig.axes):
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if not label.startswith("_"):
+                handles.setdefault(label, handle)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="upper left",
+                   bbox_to_anchor=(1.0, 0.92), frameon=False, title=title, fontsize=8)
+
+
+def log_floor(values, default: float = 1e-20) -> float:
+    """Where exact zeros go on a log axis: a decade below the smallest positive value."""
+    positive = [float(v) for v in values if float(v) > 0 and math.isfinite(float(v))]
+    if not positive:
+        return default
+    return 10 ** (math.floor(math.log10(min(positive))) - 1)
+
+
+def draw_zero_floor(ax, floor: float, label: str = "0: exact zero") -> None:
+    """The dashed floor line of a log axis, labelled with what its zeros mean."""
+    ax.axhline(floor, color="0.4", ls="--", lw=0.8)
+    ax.text(0.01, floor * 1.8, label, transform=ax.get_yaxis_transform(), fontsize=8,
+            color="0.3", va="bottom")
+
+
+def series_lines(ax, x, y, *, floor: float | None = None, label: str | None = None,
+                 markers_only: bool = False, **style) -> None:
+    """Plot one series; with ``floor`` its exact zeros become open circles on the floor line.
+
+    A log axis has no zero, yet an exact zero -- bitwise equality -- is often
+    the most important value: it is drawn, not dropped.
+    """
+    import numpy as np
+
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    color = style.pop("color", None)
+    if floor is not None:
+        zero = y == 0
+        if zero.any():
+            ax.scatter(x[zero], np.full(int(zero.sum()), floor), s=40, facecolors="none",
+                       edgecolors=[color] if color is not None else None, zorder=3)
+        y = np.where(zero, np.nan if markers_only else floor, y)
+    if markers_only:
+        style.setdefault("ms", 4.5)
+        ax.plot(x, y, ls="none", color=color, label=label, **style)
+    else:
+        style.setdefault("lw", 1.6)
+        ax.plot(x, y, color=color, label=label, **style)

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from typing import Any, Callable, Iterable, Iterator
 
@@ -37,6 +38,8 @@ __all__ = [
     "to_frame",
     "canonical",
     "where",
+    "value_of",
+    "label_values",
 ]
 
 RECORD_COLUMNS = ("step", "rank", "bucket", "metric", "value")
@@ -209,3 +212,21 @@ def where(frame, metric, **labels):
         else:
             out = out[out[key] == val]
     return out
+
+
+def value_of(frame, metric: str, default: float = math.nan, **labels) -> float:
+    """The value of the first row of ``metric`` with these labels, ``default`` when there is none."""
+    rows = where(frame, metric, **labels)
+    return float(rows["value"].iloc[0]) if len(rows) else default
+
+
+def label_values(frame, label: str, metric=None, **labels) -> list:
+    """The distinct non-null values of column ``label`` (in rows of ``metric``/``labels``), sorted."""
+    rows = frame if metric is None else where(frame, metric, **labels)
+    if label not in rows.columns:
+        return []
+    values = rows[label].dropna().unique().tolist()
+    try:
+        return sorted(values)
+    except TypeError:
+        return sorted(values, key=str)

@@ -26,61 +26,65 @@ from typing import Callable, Iterable
 import nbformat
 import yaml
 
-from ddplab.artifacts import atomic_write_text, load_results
-from ddplab.cases import CASES, get_case
+from ddplab.artifacts import (atomic_write_bytes, atomic_write_text, load_results, local_path_scrubber,
+                              scrub_notebook)
+from ddplab.cases import Case, case_names, get_case
 from ddplab.environment import environment_info
 from ddplab.html_report import header_markdown, notebook_to_html
 from ddplab.index_page import CaseOutcome, summary_markdown, write_index
 from ddplab.notebook_run import execute_notebook
 from ddplab.parameters import ParameterSet
+from ddplab.progress import PROGRESS_FILE_ENV, read_progress
+from ddplab.notebook import IO_PARAMETERS
 from ddplab.verdict import Verdict, verdicts_from_notebook
 
 __all__ = ["CaseSpec", "case_specs", "plan_batch", "run_batch", "run_report",
-           "DEFAULT_TIMEOUT", "NOTEBOOK_DIR", "IO_PARAMETERS"]
+           "DEFAULT_TIMEOUT", "IO_PARAMETERS"]
 
-NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 #: Seconds one notebook may run before it is stopped and reported as timed out.
 DEFAULT_TIMEOUT = 900.0
-#: Notebook parameters every case notebook has besides its case's own.
-IO_PARAMETERS = ("results_dir", "run_dir")
 
 
 @dataclasses.dataclass
 class CaseSpec:
-    """A notebook the batch can run, with the parameters it accepts."""
+    """A notebook the batch can run, with the parameters it accepts (the report's view of a case)."""
 
     name: str
     title: str
-    seed: str
     notebook: pathlib.Path
     parameters: ParameterSet
     quick: dict = dataclasses.field(default_factory=dict)
+    #: The reproduced report's id (:mod:`ddplab.reproduced`), None for a case of one's own.
+    reproduces: str | None = None
     #: Full validation (the case's check_params); defaults to ``parameters.validate``.
     check: Callable[[dict], dict] | None = None
+    #: How the user names the case (a built-in name or a module path): used in commands.
+    path: str | None = None
+    #: The case's launch plan for given parameters (for progress and its estimate).
+    plan: Callable[[dict], list] | None = None
 
     def validate(self, values: dict) -> dict:
         return (self.check or self.parameters.validate)(values)
 
+    def planned_steps(self, params: dict) -> dict[str, int]:
+        """Steps each launch will report, by progress label (empty when unknown)."""
+        if self.plan is None:
+            return {}
+        return {f"{self.name} {p.label}".strip(): p.steps for p in self.plan(params) if p.steps}
 
-def case_specs(names: Iterable[str] | None = None,
-               notebook_dir: str | os.PathLike = NOTEBOOK_DIR) -> list[CaseSpec]:
-    """Specs of the registered cases (all, or ``names``, in registry order)."""
-    wanted = list(CASES) if not names else list(names)
-    for name in wanted:
-        if name not in CASES:
-            raise ValueError(f"unknown case {name!r}; known cases: {', '.join(CASES)}")
-    specs = []
-    for name in CASES:
-        if name not in wanted:
-            continue
-        module = get_case(name)
-        path = pathlib.Path(notebook_dir) / CASES[name][1]
-        if not path.exists():
-            raise ValueError(f"case {name!r}: notebook {path} does not exist")
-        specs.append(CaseSpec(name=name, title=module.TITLE, seed=module.SEED, notebook=path,
-                              parameters=module.PARAMETERS, quick=dict(module.QUICK),
-                              check=module.check_params))
-    return specs
+    @classmethod
+    def of(cls, case: Case, path: str | None = None) -> "CaseSpec":
+        notebook = case.notebook_path()
+        if not notebook.exists():
+            raise ValueError(f"case {case.name!r}: notebook {notebook} does not exist")
+        return cls(name=case.name, title=case.title, notebook=notebook, parameters=case.parameters,
+                   quick=dict(case.quick), reproduces=case.reproduces, check=case.check_params,
+                   path=path or case.name, plan=case.launches)
+
+
+def case_specs(names: Iterable[str] | None = None) -> list[CaseSpec]:
+    """Specs of the named cases (built-in names or dotted paths), or of every built-in case."""
+    return [CaseSpec.of(get_case(name), name) for name in (list(names) if names else case_names())]
 
 
 def plan_batch(specs: list[CaseSpec], *, overrides: Iterable[tuple[str, str]] = (),
@@ -105,7 +109,7 @@ def plan_batch(specs: list[CaseSpec], *, overrides: Iterable[tuple[str, str]] = 
         if not isinstance(loaded, dict):
             raise ValueError(f"parameters file {params_file} must hold a mapping")
         for key, value in loaded.items():
-            if key in CASES or key in names:
+            if key in case_names() or key in names:
                 if key not in names:
                     continue  # a section for a case not selected this time
                 if not isinstance(value, dict):
@@ -165,20 +169,44 @@ def _key_figure(nb) -> bytes | None:
     return None
 
 
-def _progress_printer(name: str, index: int, total: int, echo: Callable[[str], None]):
+def _progress_line(name: str, elapsed: float, bars: dict[str, dict], planned: dict[str, int]) -> str:
+    """``case: W=4 12/20 steps · 45 s, about 30 s left`` from the progress file's bars."""
+    if not bars:
+        return f"{name}: starting, {elapsed:.0f} s"
+    desc, state = list(bars.items())[-1]
+    label = desc[len(name):].strip() if desc.startswith(name) else desc
+    text = f"{name}: {label + ' ' if label else ''}{state['n']}/{state['total']} steps, {elapsed:.0f} s"
+    total = sum(planned.values()) or sum(b["total"] for b in bars.values())
+    done = sum(min(b["n"], b["total"]) for b in bars.values())
+    if total and 0 < done < total:
+        text += f", about {elapsed * (total - done) / done:.0f} s left"
+    return text
+
+
+def _progress_printer(name: str, index: int, total: int, echo: Callable[[str], None],
+                      progress_file: pathlib.Path, planned: dict[str, int]):
+    """``on_poll`` for :func:`execute_notebook`: one updating line per case (a line every 15 s in a log)."""
     state = {"last": 0.0}
     interactive = sys.stdout.isatty()
 
     def on_poll(elapsed: float, cell: int | None) -> None:
-        where = f", cell {cell}" if cell is not None else ""
+        line = f"[{index}/{total}] " + _progress_line(name, elapsed, read_progress(progress_file), planned)
         if interactive:
-            sys.stdout.write(f"\r[{index}/{total}] {name}: running {elapsed:5.0f} s{where}   ")
+            sys.stdout.write("\r" + line.ljust(78))
             sys.stdout.flush()
         elif elapsed - state["last"] >= 15:
             state["last"] = elapsed
-            echo(f"[{index}/{total}] {name}: still running, {elapsed:.0f} s{where}")
+            echo(line)
 
     return on_poll
+
+
+def _reproduce_command(spec: CaseSpec, shown_params: dict) -> str:
+    defaults = spec.parameters.defaults()
+    overrides = " ".join(f"-p {k} {shlex.quote(v if isinstance(v, str) else json.dumps(v))}"
+                         for k, v in shown_params.items()
+                         if (k in IO_PARAMETERS and v is not None) or (k in defaults and v != defaults[k]))
+    return f"ddplab report {spec.path or spec.name} {overrides}".strip()
 
 
 def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: float,
@@ -187,16 +215,24 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
     case_dir.mkdir(parents=True, exist_ok=True)
     executing = case_dir / ".notebook.executing.ipynb"
     new_results = case_dir / ".results.new"
+    progress_file = case_dir / ".progress.jsonl"
     shutil.rmtree(new_results, ignore_errors=True)
-    nb_params = {**params, "results_dir": str(new_results.resolve())}
+    progress_file.unlink(missing_ok=True)
+    # The kernel runs where `ddplab report` runs, so the user's relative paths (run_dir, data_root)
+    # mean what they meant, and the results folder is named relative to it: no machine path is
+    # written into the published notebook.
+    nb_params = {**params, "results_dir": os.path.relpath(new_results)}
     echo(f"[{index}/{total}] {spec.name}: started")
     outcome = execute_notebook(
         spec.notebook, executing, parameters=nb_params, timeout=timeout,
-        cwd=spec.notebook.parent, log_path=case_dir / ".papermill.log",
-        env={"DDPLAB_BATCH": "1", "PYTHONUNBUFFERED": "1"},
-        on_poll=_progress_printer(spec.name, index, total, echo))
+        cwd=os.getcwd(), log_path=case_dir / ".papermill.log",
+        env={"DDPLAB_BATCH": "1", "PYTHONUNBUFFERED": "1",
+             PROGRESS_FILE_ENV: str(progress_file.resolve())},
+        on_poll=_progress_printer(spec.name, index, total, echo, progress_file,
+                                  spec.planned_steps(params)))
     if sys.stdout.isatty():
         sys.stdout.write("\n")
+    progress_file.unlink(missing_ok=True)
     _replace_dir(new_results, case_dir / "results")
 
     nb = nbformat.read(executing, as_version=4) if executing.exists() else nbformat.read(spec.notebook, as_version=4)
@@ -223,31 +259,33 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
                              verdict=verdict, params=shown_params, environment=environment,
                              failing_cell=outcome.failing_cell, error=outcome.error,
                              failing_source=failing_source)
-    atomic_write_text(case_dir / "report.html", notebook_to_html(nb, header=header, no_input=no_input))
+    scrub = local_path_scrubber(spec.notebook.parent)
+    scrub_notebook(nb, scrub)
+    atomic_write_text(case_dir / "report.html",
+                      notebook_to_html(nb, header=scrub(header), no_input=no_input))
     png = _key_figure(nb)
-    figure_name = None
+    figure_name = "key-figure.png" if png is not None else None
     if png is not None:
-        figure_name = "key-figure.png"
-        tmp = case_dir / ".key-figure.png.tmp"
-        tmp.write_bytes(png)
-        os.replace(tmp, case_dir / figure_name)
+        atomic_write_bytes(case_dir / figure_name, png)
+    else:  # never leave an earlier run's figure beside this run's report
+        (case_dir / "key-figure.png").unlink(missing_ok=True)
     result = CaseOutcome(
-        name=spec.name, title=spec.title, seed=spec.seed, status=outcome.status,
+        name=spec.name, title=spec.title, reproduces=spec.reproduces, status=outcome.status,
         seconds=outcome.seconds, verdict=verdict, report=f"{spec.name}/report.html",
         summary=f"{spec.name}/summary.md", notebook=f"{spec.name}/notebook.ipynb",
         key_figure=f"{spec.name}/{figure_name}" if figure_name else None, error=outcome.error)
-    defaults = spec.parameters.defaults()
-    overrides = " ".join(f"-p {k} {shlex.quote(v if isinstance(v, str) else json.dumps(v))}"
-                         for k, v in shown_params.items()
-                         if (k in IO_PARAMETERS and v is not None) or (k in defaults and v != defaults[k]))
-    command = f"ddplab report {spec.name} {overrides}".strip()
     atomic_write_text(case_dir / "summary.md", summary_markdown(
-        result, params=shown_params, environment=environment, figure_name=figure_name, command=command))
+        result, params=shown_params, environment=environment, figure_name=figure_name,
+        command=_reproduce_command(spec, shown_params)))
     if executing.exists():
-        os.replace(executing, case_dir / "notebook.ipynb")
+        nb.metadata.get("papermill", {}).pop("input_path", None)
+        nb.metadata.get("papermill", {}).pop("output_path", None)
+        atomic_write_text(case_dir / "notebook.ipynb", nbformat.writes(nb))
+        executing.unlink()
     log = case_dir / ".papermill.log"
     if log.exists():
-        os.replace(log, case_dir / "papermill.log")
+        atomic_write_text(case_dir / "papermill.log", scrub(log.read_text(errors="replace")))
+        log.unlink()
     where = f" (cell {outcome.failing_cell})" if outcome.failing_cell is not None and not outcome.ok else ""
     echo(f"[{index}/{total}] {spec.name}: {outcome.status}{where} in {outcome.seconds:.1f} s"
          + (f" — {verdict.kind}: {verdict.headline}" if verdict else "")
@@ -269,7 +307,7 @@ def _merge_with_previous(out_dir: pathlib.Path, outcomes: list[CaseOutcome]) -> 
                     previous.append(CaseOutcome(**data))
         except (ValueError, KeyError, TypeError):
             previous = []
-    order = {name: i for i, name in enumerate(CASES)}
+    order = {name: i for i, name in enumerate(case_names())}
     merged = outcomes + previous
     return sorted(merged, key=lambda o: order.get(o.name, len(order)))
 
@@ -297,7 +335,7 @@ def run_batch(planned: list[tuple[CaseSpec, dict]], out_dir: str | os.PathLike, 
 def run_report(opts) -> int:
     """The ``ddplab report`` command (see :mod:`ddplab.cli` for the options)."""
     try:
-        specs = case_specs(opts.cases or None, opts.notebooks)
+        specs = case_specs(opts.cases or None)
         planned = plan_batch(specs, overrides=opts.param or (), params_file=opts.params,
                              quick=opts.quick)
         if opts.timeout <= 0:

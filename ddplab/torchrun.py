@@ -38,40 +38,31 @@ class RunIncomplete(RuntimeError):
     """A run folder whose job did not finish on every rank."""
 
 
-def resolve_target(target: str, overrides: dict) -> tuple[Callable, dict, str]:
-    """``(worker, params, name)`` for a case name or a ``module:function`` path.
+def resolve_target(target: str, overrides: dict, world_size: int | None = None) -> tuple[Callable, dict, str]:
+    """``(worker, params, name)`` for a case (name or module path) or a ``module:function`` worker.
 
-    Case parameters are validated (ValueError naming the parameter); a
-    ``module:function`` worker receives the overrides as a dict, unparsed.
+    Case parameters are validated (ValueError naming the parameter) and, with
+    ``world_size``, set to describe a job of that many ranks
+    (:meth:`~ddplab.cases.Case.for_world_size`); a ``module:function``
+    worker receives the overrides as a dict, unparsed.
     """
-    if ":" in target:
-        module_name, _, func_name = target.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-            worker = getattr(module, func_name)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load worker {target!r}: {exc}") from None
-        if not callable(worker):
-            raise ValueError(f"worker {target!r} is not callable")
-        return worker, dict(overrides), target
-    from ddplab.cases import get_case
+    from ddplab.cases import Case, get_case
 
+    if ":" in target:
+        module_name, _, attr = target.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load {target!r}: {exc}") from None
+        if not (isinstance(obj, Case) or (isinstance(obj, type) and issubclass(obj, Case))):
+            if not callable(obj):
+                raise ValueError(f"worker {target!r} is not callable")
+            return obj, dict(overrides), target
     case = get_case(target)
     params = case.check_params(overrides)
-    return case.worker, params, target
-
-
-def _match_world_size(params: dict, overrides: dict, world_size: int) -> dict:
-    """A case's world-size parameter describes this job: set it, or refuse a contradiction."""
-    params = dict(params)
-    for name, value in (("world_sizes", [world_size]), ("world_size", world_size)):
-        if name not in params:
-            continue
-        if name in overrides and params[name] != value:
-            raise ValueError(f"parameter {name!r} = {params[name]!r}, but this torchrun job has "
-                             f"{world_size} ranks; drop -p {name} (torchrun's sizes decide it)")
-        params[name] = value
-    return params
+    if world_size is not None:
+        params = case.for_world_size(params, world_size, overrides)
+    return case.worker, params, case.name
 
 
 def _write_run_json(out_dir: pathlib.Path, data: dict) -> None:
@@ -86,11 +77,12 @@ def run_rank(target: str, out_dir: str | os.PathLike, overrides: dict | None = N
     from ddplab.environment import environment_info
     from ddplab.rank import context_from_env, teardown_rank
 
-    worker, params, name = resolve_target(target, overrides or {})
+    # Validate before joining the job: bad input fails on every rank at once, naming the parameter.
+    resolve_target(target, overrides or {})
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = context_from_env(backend, timeout=timeout)
-    params = _match_world_size(params, overrides or {}, ctx.world_size)
+    worker, params, name = resolve_target(target, overrides or {}, ctx.world_size)
     rank_file = out_dir / f"rank-{ctx.rank}.jsonl"
     emitted: list[dict] = []
     with open(rank_file, "w", buffering=1) as fh:

@@ -9,10 +9,13 @@ import pathlib
 import pytest
 import torch
 
-from ddplab.cases import half_precision as case
+from ddplab.cases import get_case
+from ddplab.cases.half_precision.figures import versions_markdown
+from ddplab.cases.half_precision.worker import STAGES, build_linear, compile_step, weight_numerics
 from ddplab.records import collect, record, to_frame
 
-NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "notebooks" / case.NOTEBOOK
+case = get_case("half_precision")
+NOTEBOOK = case.notebook_path()
 
 
 # --------------------------------------------------------------------------- parameters
@@ -44,7 +47,7 @@ def test_defaults_are_the_issues_and_quick_validates():
     assert params == {"world_size": 2, "dtypes": ["float16", "float32"], "seed": 42,
                       "in_features": 512, "out_features": 512, "lanes": [1, 2, 4, 8, 16, 32],
                       "same_init": True}
-    case.check_params(case.QUICK)
+    case.check_params(case.quick)
     # papermill's -p hands lists over as strings
     assert case.check_params({"lanes": "[1, 8]", "same_init": "false"})["lanes"] == [1, 8]
 
@@ -55,16 +58,16 @@ def test_defaults_are_the_issues_and_quick_validates():
 def test_build_linear_seeds_alike_or_per_rank():
     same = case.check_params({"same_init": True})
     other = case.check_params({"same_init": False})
-    w0 = case.build_linear(same, "float16", 0).weight
+    w0 = build_linear(same, "float16", 0).weight
     assert w0.dtype == torch.float16 and w0.shape == (512, 512)
-    assert torch.equal(w0, case.build_linear(same, "float16", 1).weight)
-    assert torch.equal(w0, case.build_linear(other, "float16", 0).weight)  # rank 0 keeps the seed
-    assert not torch.equal(w0, case.build_linear(other, "float16", 1).weight)
+    assert torch.equal(w0, build_linear(same, "float16", 1).weight)
+    assert torch.equal(w0, build_linear(other, "float16", 0).weight)  # rank 0 keeps the seed
+    assert not torch.equal(w0, build_linear(other, "float16", 1).weight)
 
 
 def test_compile_step_is_lazy_and_keeps_the_parameters():
     model = torch.nn.Linear(16, 16, bias=False)
-    compiled, facts = case.compile_step(model)
+    compiled, facts = compile_step(model)
     assert facts == {"ok": True, "error": None, "frames": 0, "same_objects": True}
     assert compiled is not model and compiled.weight is model.weight
 
@@ -75,15 +78,15 @@ def test_compile_failure_is_reported_not_raised(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", broken)
     model = torch.nn.Linear(4, 4)
-    wrapped, facts = case.compile_step(model)
+    wrapped, facts = compile_step(model)
     assert wrapped is model
     assert facts["ok"] is False and "no C++ compiler" in facts["error"]
 
 
 def test_weight_numerics_reproduce_the_report_and_the_stall():
-    weight = case.build_linear(case.check_params({}), "float16", 0).weight.detach()
+    weight = build_linear(case.check_params({}), "float16", 0).weight.detach()
     with collect() as recs:
-        case.weight_numerics(weight, [1, 8, 32])
+        weight_numerics(weight, [1, 8, 32])
     frame = to_frame(recs)
     lanes = frame[(frame["metric"] == "norm") & (frame["method"] == "lanes")]
     assert dict(zip(lanes["lanes"].astype(int), lanes["value"])) == {1: 2.0, 8: 5.65625, 32: 11.3125}
@@ -127,7 +130,7 @@ def _records(*, world_size=2, same_init=True, ddp_changes=(), broadcast_matches=
     for rank in range(world_size):
         base = dict(rank=rank, dtype="float16", param="weight")
         equal_before = same_init or rank == 0
-        for stage in case.STAGES:
+        for stage in STAGES:
             changed = stage == "ddp" and rank in ddp_changes
             if stage == "ddp":
                 equal0 = (equal_before and not changed) or (changed and broadcast_matches)
@@ -165,10 +168,10 @@ def _params(**overrides):
 def test_verdict_clean_run_is_rounding_not_ddp():
     v = case.verdict(_records(), _params())
     assert v.kind == "rounding" and v.all_hold, v.to_markdown()
-    assert "DDP did not change the weights" in v.headline and "5.65625" in v.headline
-    assert "accumulates wider" in v.headline
-    assert "K=8 gives the report's number" in v.finding("report_number_reproduced").evidence
-    assert "0 float16 ulp apart" in v.finding("installed_torch_no_artifact").evidence
+    assert v.values["k"] == 8 and v.values["report_norm"] == 5.65625 and v.values["tensors"] == 2
+    assert v.finding("report_number_reproduced").values["matching"] == [8]
+    assert v.finding("installed_torch_no_artifact").values["ulps"] == 0
+    assert v.scope and dict(v.key_table())["K-lane float16 model matching the report"] == "8"
 
 
 def test_verdict_flags_ddp_changing_bits_with_the_same_seed_as_a_bug():
@@ -176,14 +179,15 @@ def test_verdict_flags_ddp_changing_bits_with_the_same_seed_as_a_bug():
                      _params())
     assert v.kind == "bug"
     assert not v.holds("ddp_changed_no_bit") and not v.holds("replicas_equal_after_ddp")
-    assert "rank 1: 1 of 1 tensors changed" in v.finding("ddp_changed_no_bit").evidence
+    assert v.finding("ddp_changed_no_bit").values["changed_per_rank"] == [0, 1]
     assert v.holds("norm_moves_only_with_bits")  # the norm moved, but so did the bits
 
 
 def test_verdict_names_the_broadcast_with_different_seeds():
     v = case.verdict(_records(same_init=False, ddp_changes=(1,)), _params(same_init=False))
     assert v.kind == "by design" and v.holds("ddp_broadcast_rank0") and v.holds("replicas_equal_after_ddp")
-    assert "DDP did change the weights on rank(s) 1" in v.headline
+    assert v.values["others"] == [1]
+    assert v.finding("ddp_broadcast_rank0").values["changed_per_rank"] == [0, 1]
     # no broadcast happened: the ranks still differ after wrapping
     v = case.verdict(_records(same_init=False), _params(same_init=False))
     assert not v.holds("ddp_broadcast_rank0") and not v.holds("replicas_equal_after_ddp")
@@ -192,26 +196,26 @@ def test_verdict_names_the_broadcast_with_different_seeds():
 def test_verdict_reports_a_failed_compile():
     v = case.verdict(_records(compile_error="RuntimeError: no C++ compiler"), _params())
     finding = v.finding("compile_changed_no_bit")
-    assert not finding.holds and "no C++ compiler" in finding.evidence
+    assert not finding.holds and "no C++ compiler" in finding.values["errors"]
 
 
 def test_verdict_when_the_installed_kernel_still_stalls():
     v = case.verdict(_records(torch_norm=5.65625), _params())
     assert not v.holds("installed_torch_no_artifact")
-    assert "reproduces it for K=8" in v.finding("installed_torch_no_artifact").evidence
-    assert "still shows the artifact" in v.headline
+    assert v.finding("installed_torch_no_artifact").values["same"] == [8]
+    assert v.values["cpu_norm"] == 5.65625
 
 
 def test_verdict_when_no_lane_count_gives_the_report():
     v = case.verdict(_records(lanes={1: 2.0, 4: 4.0}), _params(lanes=[1, 4]))
     assert not v.holds("report_number_reproduced")
-    assert "not reproduced" in v.headline and "closest: K=4" in v.headline
+    assert v.values["k"] == "none" and v.values["closest_k"] == 4
 
 
 def test_verdict_flags_a_norm_that_moves_over_unchanged_bits():
     v = case.verdict(_records(norm_moves_on=(0,)), _params())
     finding = v.finding("norm_moves_only_with_bits")
-    assert not finding.holds and "rank 0 float16 ddp" in finding.evidence
+    assert not finding.holds and finding.values["unexplained"] == ["rank 0 float16 ddp"]
     assert v.holds("ddp_changed_no_bit")
 
 
@@ -222,7 +226,7 @@ def test_verdict_judges_a_cuda_norm_when_one_was_measured():
 
 
 def test_versions_table_is_computed_from_the_records():
-    table = case.versions_markdown(_records(cuda_norm=13.078125))
+    table = versions_markdown(_records(cuda_norm=13.078125))
     rows = {line.split("|")[1].strip() + " " + line.split("|")[2].strip(): line
             for line in table.splitlines()[2:]}
     assert "| -1250 |" in rows["2.0 (the report, before wrapping) CPU"]

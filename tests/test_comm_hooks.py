@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (allreduce_hook, bf16_compress_hook,
+                                                                       fp16_compress_hook)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddplab import comm_hooks as ch
@@ -86,6 +87,26 @@ def scale_on_rank_1(process_group, bucket):
     return ch.ddp_default_hook(process_group, bucket)
 
 
+def tiny_scale_on_rank_1(process_group, bucket):
+    """A planted fault below the rounding bound: rank 1's gradient times (1 + 2u), u = 2^-24."""
+    if dist.get_rank() == 1:
+        buf = bucket.buffer()
+        buf.copy_(buf.double() * (1 + 2.0 ** -23))
+    return ch.ddp_default_hook(process_group, bucket)
+
+
+def bf16_compress_on_gloo(process_group, bucket):
+    """torch's bf16_compress_hook under another name: DDP refuses that name without NCCL, gloo reduces bfloat16 fine."""
+    return bf16_compress_hook(process_group, bucket)
+
+
+def fp16_compress_with_fault_on_rank_1(process_group, bucket):
+    """torch's fp16_compress_hook, rank 1's gradient off by 2^-9 before the cast."""
+    if dist.get_rank() == 1:
+        bucket.buffer().mul_(1 + 2.0 ** -9)
+    return fp16_compress_hook(process_group, bucket)
+
+
 def skip_on_rank_1(process_group, bucket):
     """A planted fault: rank 1 takes part in the allreduce but keeps its own gradient."""
     local = bucket.buffer().clone()
@@ -136,10 +157,11 @@ def audit_matches_ddp_for_three_ranks():
 def planted_faults_and_two_rank_orders():
     out = {}
     for name, fault in (("flip", flip_bit_on_rank_1), ("scale", scale_on_rank_1),
-                        ("skip", skip_on_rank_1), ("clean", None)):
+                        ("skip", skip_on_rank_1), ("tiny", tiny_scale_on_rank_1), ("clean", None)):
         state = ch.AuditState(inner=fault, labels={"fault": name})
         train(ch.audit_hook, state, steps=2)
         out[name] = [(a["step"], a["max_bound_ratio"]) for a in state.alarms]
+        out[f"{name}_evidence"] = {a["evidence"] for a in state.alarms}
     try:
         train(ch.audit_hook, ch.AuditState(inner=flip_bit_on_rank_1, raise_on_alarm=True), steps=1)
         out["raised"] = None
@@ -150,6 +172,33 @@ def planted_faults_and_two_rank_orders():
     out["orders_equal_w2"] = {order: same(plain, train(ch.order_hook, ch.OrderState(order=order),
                                                        dtype=torch.float64))
                               for order in ("gloo_ring", "nccl_ring", "nccl_tree", "sequential")}
+    return out
+
+
+def compression_hooks_audited():
+    """torch's fp16/bf16 compression hooks: audited without false alarms, faults still caught."""
+    out = {}
+    for name, hook in (("fp16", fp16_compress_hook), ("bf16", bf16_compress_hook)):
+        plain = train(bf16_compress_on_gloo if name == "bf16" else hook, None, steps=3)
+        state = ch.AuditState(inner=hook, labels={"run": name})   # reduce_dtype inferred from the hook
+        out[f"{name}_same"] = same(plain, train(ch.audit_hook, state, steps=3))
+        out[f"{name}_alarms"] = state.alarms
+        out[f"{name}_reduce_dtype"] = str(state.reduce_dtype)
+        # ddplab's emulation of the same reduction, as a hook: bit for bit the live compression hook.
+        emulated = ch.OrderState(order="gloo_ring", averaging="divide_first",
+                                 reduce_dtype=torch.float16 if name == "fp16" else torch.bfloat16)
+        out[f"{name}_emulated_same"] = same(plain, train(ch.order_hook, emulated, steps=3))
+    faulty = ch.AuditState(inner=fp16_compress_with_fault_on_rank_1, reduce_dtype=torch.float16,
+                           averaging="divide_first", labels={"run": "fp16_fault"})
+    train(ch.audit_hook, faulty, steps=2)
+    out["fault_alarms"] = faulty.alarms
+    # NCCL's ring in bfloat16 accumulated in float32, emulated and audited against its own emulation.
+    wide = ch.OrderState(order="nccl_ring", accumulate=torch.float32)
+    narrow = train(ch.order_hook, ch.OrderState(order="nccl_ring"), dtype=torch.bfloat16, steps=2)
+    audited = ch.AuditState(inner=ch.order_hook, inner_state=wide, labels={"run": "nccl_acc32"})
+    out["acc32_differs"] = not same(narrow, train(ch.audit_hook, audited, dtype=torch.bfloat16, steps=2))
+    out["acc32_alarms"] = audited.alarms
+    out["acc32_bitwise"] = audited.bitwise
     return out
 
 
@@ -277,6 +326,10 @@ def test_planted_faults_are_not_rounding_and_two_rank_orders_agree(no_leftovers)
             assert min(ratio for _, ratio in out[fault]) > 1e3, fault
     # Skipping: only the rank that kept its own gradient holds a wrong result.
     assert r0["skip"] == [] and [s for s, _ in r1["skip"]] == [0, 1]
+    # A fault below the rounding bound (issue #15): the bound passes it, the emulated ring does not.
+    for out in (r0, r1):
+        assert [s for s, _ in out["tiny"]] == [0, 1] and out["tiny_evidence"] == {"bitwise"}
+        assert max(ratio for _, ratio in out["tiny"]) < 1
     assert r0["clean"] == [] and r1["clean"] == []
     assert "AuditAlarm" in r0["raised"] and "not rounding" in r0["raised"]
     recs = res.records
@@ -296,6 +349,24 @@ def test_clean_audits_raise_no_alarm_across_20_seeds(no_leftovers):
     assert ratios.max() <= 1.0
     matches = recs[recs["metric"] == "matches_order"]["value"]
     assert len(matches) == 20 * 2 * 4 and (matches == 1.0).all()
+
+
+def test_compression_hooks_are_audited_in_their_dtype_without_false_alarms(no_leftovers):
+    res = no_leftovers(compression_hooks_audited, world_size=3, timeout=180)
+    for out in res.returns:
+        for name, dtype in (("fp16", "torch.float16"), ("bf16", "torch.bfloat16")):
+            assert out[f"{name}_same"] and out[f"{name}_alarms"] == [], name
+            assert out[f"{name}_reduce_dtype"] == dtype and out[f"{name}_emulated_same"], name
+        # A fault before the cast reaches every rank's sum: every rank raises it, bitwise.
+        assert [a["step"] for a in out["fault_alarms"]] == [0, 1]
+        assert {a["evidence"] for a in out["fault_alarms"]} == {"bitwise"}
+        assert out["acc32_differs"] and out["acc32_alarms"] == [] and out["acc32_bitwise"]
+    recs = res.records
+    fp16 = recs[(recs["run"] == "fp16") & (recs["metric"] == "numel")]
+    assert set(fp16["verdict"]) == {"rounding"} and set(fp16["evidence"]) == {"bitwise"}
+    assert set(fp16["reduce_dtype"]) == {"float16"}
+    matches = recs[recs["run"].isin(["fp16", "bf16", "nccl_acc32"]) & (recs["metric"] == "matches_order")]
+    assert (matches["value"] == 1.0).all() and set(matches["bit_exact"]) == {True}
 
 
 # ---------------------------------------------------------------- tests: order
@@ -367,3 +438,9 @@ def test_bad_input_is_rejected_before_any_work():
         ch.OrderState(order="gloo_ring", channels=2)
     with pytest.raises(ValueError, match="block_size"):
         ch.ReproducibleState(block_size=0)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        ch.OrderState(order="nccl_ring", accumulate="int8")
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        ch.AuditState(reduce_dtype="int8", order="gloo_ring")
+    with pytest.raises(ValueError, match="bitwise"):
+        ch.AuditState(bitwise="yes")

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import torch
 
-from ddplab.cases import CASES, get_case
+from ddplab.cases import case_names, get_case
 from ddplab.process_tree import kill_tree
 from ddplab.explore import (CaseExplorer, NumericsPlayground, parameter_widget,
                             playground_contributions)
@@ -22,12 +22,12 @@ from ddplab.explore import (CaseExplorer, NumericsPlayground, parameter_widget,
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", case_names())
 def test_widgets_round_trip_every_case_parameter(case):
-    module = get_case(case)
+    spec = get_case(case)
     explorer = CaseExplorer(case)
-    assert explorer.params() == module.PARAMETERS.validate()
-    for p in module.PARAMETERS:
+    assert explorer.params() == spec.check_params()
+    for p in spec.parameters:
         assert parameter_widget(p).description == p.name
 
 
@@ -38,7 +38,7 @@ def _images(output) -> int:
 @pytest.mark.slow
 def test_run_button_produces_records_figures_and_verdict(no_leftovers):
     explorer = CaseExplorer("half_precision")
-    explorer.set_values(**get_case("half_precision").QUICK)
+    explorer.set_values(**get_case("half_precision").quick)
     explorer.run_button.click()
     explorer.wait(180)
     assert explorer.error is None, explorer.error

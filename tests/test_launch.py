@@ -141,13 +141,17 @@ def test_env_reaches_ranks_including_later_parent_changes(no_leftovers, monkeypa
     assert res.returns == ["Tree"]
 
 
-def test_progress_bar_in_batch_mode_reaches_total(no_leftovers, monkeypatch, capfd):
+def test_progress_in_batch_mode_goes_to_the_progress_file_not_stderr(no_leftovers, monkeypatch,
+                                                                     capfd, tmp_path):
+    from ddplab.progress import read_progress
+
     monkeypatch.setenv("DDPLAB_BATCH", "1")
     monkeypatch.setenv("TQDM_DISABLE", "0")
-    monkeypatch.setenv("TQDM_MININTERVAL", "0")
+    monkeypatch.setenv("DDPLAB_PROGRESS_FILE", str(tmp_path / "progress.jsonl"))
     launch(steps, world_size=2, args=(5,), progress=5, progress_desc="train")
-    err = capfd.readouterr().err
-    assert "train" in err and "5/5" in err
+    assert "train" not in capfd.readouterr().err   # a report would style stderr as an error
+    bars = read_progress(tmp_path / "progress.jsonl")
+    assert bars["train"]["n"] == bars["train"]["total"] == 5
 
 
 # ---------------------------------------------------------------- failures

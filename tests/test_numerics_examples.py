@@ -9,7 +9,7 @@ import torch
 
 import ddplab.numerics as numerics
 
-MODULES = ["fpformat", "contributions", "exact", "orders", "ulp", "bounds", "accuracy", "accumulators",
+MODULES = ["fpformat", "contributions", "exact", "orders", "ulp", "bounds", "accuracy", "accumulation", "accumulators",
            "fixed_point"]
 
 

@@ -102,8 +102,10 @@ def test_every_order_stays_within_its_bound(dtype):
                                  dict(op="avg", averaging="divide_first", accumulate=torch.float32)]
             for kw in variants:
                 result = reduce(x, order, **kw)
-                m = measure(result, x, order, reference=parts[kw["op"]], **kw)
-                assert m["classification"] == "rounding", (order, w, kw, m["max_bound_ratio"])
+                # The bound itself, not the bitwise comparison that would decide first.
+                m = measure(result, x, order, reference=parts[kw["op"]], bitwise=False, **kw)
+                assert m["classification"] == "rounding" and m["evidence"] == "bound", \
+                    (order, w, kw, m["max_bound_ratio"])
 
 
 def test_divide_first_underflow_is_inside_the_bound():
@@ -172,6 +174,13 @@ def test_classify():
     assert label == "not rounding" and ratio == math.inf
     assert classify(torch.tensor([math.nan]), torch.tensor([1.0])).label == "not rounding"
     assert classify(torch.tensor([3.0]), torch.tensor([2.0])) == ("not rounding", 1.5)
+    # No finite bound: undetermined, never a ratio of 0 (an exact result needs no bound).
+    label, ratio = classify(torch.tensor([1e-3, 0.0]), torch.tensor([math.inf, math.inf]))
+    assert label == "undetermined" and math.isnan(ratio)
+    assert classify(torch.tensor([1e-3]), torch.tensor([math.nan])).label == "undetermined"
+    assert classify(torch.tensor([0.0]), torch.tensor([math.inf])) == ("rounding", 0.0)
+    # A finite bound that is exceeded decides, whatever other elements lack a bound.
+    assert classify(torch.tensor([3.0, 1.0]), torch.tensor([2.0, math.inf])) == ("not rounding", 1.5)
 
 
 def test_a_real_bug_is_not_rounding():

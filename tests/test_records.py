@@ -56,12 +56,16 @@ def test_to_frame_is_tidy_with_nullable_indices():
 def test_results_directory_round_trip(tmp_path):
     recs = [records.record("loss", 0.25, step=s, rank=r, order="gloo") for s in range(3) for r in range(2)]
     verdict = Verdict("demo", "rounding", "all within the bound",
-                      [Finding("bound", "errors within the bound", True, "max ratio 0.4")])
+                      [Finding("bound", "errors within the bound", True, "max ratio {ratio}",
+                               {"ratio": 0.4})], scope="the reduction", key_numbers={"ratio": "ratio"},
+                      values={"ratio": 0.4})
     save_results(tmp_path, records=ddplab.to_frame(recs), verdict=verdict,
                  params={"world_sizes": [2, 4]}, environment={"torch": "x"})
     back = load_results(tmp_path)
     assert back.records.equals(ddplab.to_frame(recs))
     assert back.verdict.holds("bound") and back.params == {"world_sizes": [2, 4]}
+    assert back.verdict.to_dict() == verdict.to_dict()
+    assert back.verdict.finding("bound").values == {"ratio": 0.4}
     with pytest.raises(FileNotFoundError, match="not a ddplab results directory"):
         load_results(tmp_path / "missing")
 
@@ -75,11 +79,12 @@ def test_jsonl_survives_a_truncated_last_line(tmp_path):
 
 
 def test_verdict_rendering_and_notebook_extraction():
-    v = Verdict("c", "bug", "a | b", [Finding("k", "claim | x", False, "ratio 1e6")])
+    v = Verdict("c", "bug", "a | b", [Finding("k", "claim | x", False, "ratio {r}", {"r": 1e6})])
     bundle = v._repr_mimebundle_()
     assert "✘ does not hold" in bundle["text/markdown"] and "\\|" in bundle["text/markdown"]
     cells = [{"outputs": [{"data": {VERDICT_MIME: bundle[VERDICT_MIME]}}]}]
     assert verdicts_from_notebook(cells)[0].finding("k").evidence == "ratio 1e6"
+    assert verdicts_from_notebook(cells)[0].finding("k").values == {"r": 1e6}
     assert json.loads(v.to_json())["kind"] == "bug"
     with pytest.raises(KeyError, match="no finding 'nope'"):
         v.finding("nope")
@@ -90,3 +95,19 @@ def test_canonical_order_ignores_arrival_order():
     a, b = ddplab.to_frame(recs), ddplab.to_frame(list(reversed(recs)))
     assert not a.equals(b)
     assert records.canonical(a).equals(records.canonical(b))
+
+
+def test_findings_render_their_numbers_from_one_template():
+    f = Finding("k", "reproduces the report's {norm:r}", True,
+                "K = {lanes}: {norms:r}; ratio {ratio}, {missing}", 
+                {"norm": 5.65625, "lanes": [4, 8], "norms": [4.0, 5.65625], "ratio": 0.52973,
+                 "missing": float("nan")})
+    assert f.claim_text == "reproduces the report's 5.65625"
+    assert f.evidence == "K = 4, 8: 4.0, 5.65625; ratio 0.5297, n/a"
+    with pytest.raises(KeyError, match="'absent' has no value"):
+        Finding("k", "c", True, "{absent}", {})
+    v = Verdict("c", "rounding", "within {r}", [f], values={"r": 0.5, "n": 3}, scope="s",
+                key_numbers={"bound ratio": "r", "steps": "n:d"})
+    assert v.headline == "within 0.5" and v.key_table() == [("bound ratio", "0.5"), ("steps", "3")]
+    with pytest.raises(KeyError, match="key_numbers name values it lacks"):
+        Verdict("c", "rounding", "x", [f], key_numbers={"a": "absent"})

@@ -1,6 +1,7 @@
 """The batch report: real papermill + nbconvert runs, failures, offline HTML in Chromium."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -14,6 +15,8 @@ import pytest
 from ddplab.artifacts import atomic_write_text
 from ddplab.parameters import Parameter, ParameterSet
 from ddplab.report import CaseSpec, case_specs, plan_batch, run_batch
+
+from browser import check_pages_offline
 
 PS = ParameterSet([
     Parameter("n", 3, "how many points", kind="int", minimum=1),
@@ -34,9 +37,10 @@ OK_CELLS = [
     "records = to_frame([record('loss', 1.0 / (s + 1), step=s, rank=0, world_size=w)\n"
     "                    for w in sizes for s in range(n)])\n"
     "plots.show(plots.metric_lines(records, 'loss', hue='world_size', log=True))",
-    "verdict = Verdict('fixture', 'rounding', f'{len(records)} records, all finite',\n"
+    "verdict = Verdict('fixture', 'rounding', '{n} records, all finite',\n"
     "                  [Finding('finite', 'every loss is finite', bool(records['value'].notna().all()),\n"
-    "                           f'{len(records)} values')])\n"
+    "                           '{n} values', {'n': len(records)})], values={'n': len(records)},\n"
+    "                  scope='the fixture', key_numbers={'records': 'n'})\n"
     "display(verdict)\n"
     "if results_dir:\n"
     "    save_results(results_dir, records=records, verdict=verdict, params={'n': n, 'sizes': sizes},\n"
@@ -64,7 +68,7 @@ def _notebook(path: pathlib.Path, cells: list[str], key_figure: int | None = Non
 
 def _spec(tmp_path, name, cells, **kw):
     nb = _notebook(tmp_path / f"{name}.ipynb", cells, **kw)
-    return CaseSpec(name=name, title=f"Fixture {name}", seed="none.txt", notebook=nb,
+    return CaseSpec(name=name, title=f"Fixture {name}", notebook=nb,
                     parameters=PS, quick={"n": 2})
 
 
@@ -94,7 +98,7 @@ def test_bad_parameters_are_rejected_before_running(tmp_path, kwargs, match):
 
 
 def test_unknown_case_is_rejected():
-    with pytest.raises(ValueError, match="unknown case 'nope'; known cases"):
+    with pytest.raises(ValueError, match="unknown case 'nope'; built-in cases"):
         case_specs(["nope"])
 
 
@@ -180,7 +184,11 @@ def test_index_and_summary(batch):
     html = (out / "index.html").read_text()
     assert "timed out" in html and "good/report.html" in html
     summary = (out / "good" / "summary.md").read_text()
-    assert "| ✔ holds | every loss is finite |" in summary
+    # Short first: verdict, scope, key numbers, figure, command; the findings folded below.
+    assert summary.index("**Verdict: rounding.**") < summary.index("*Scope:* the fixture") \
+        < summary.index("| records | 6 |") < summary.index("![key figure]") \
+        < summary.index("Reproduce: `ddplab report good") < summary.index("<details>")
+    assert "| ✔ holds | every loss is finite |" in summary.split("<details>", 1)[1]
     assert "![key figure](key-figure.png)" in summary
     assert (out / "good" / "key-figure.png").read_bytes().startswith(b"\x89PNG")
     assert "-p sizes" not in summary  # defaults are not repeated in the reproduce command
@@ -202,39 +210,6 @@ def test_rerun_replaces_reports_whole(batch):
 # ---------------------------------------------------------------- a real browser, offline
 
 
-def _chromium():
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def check_pages_offline(pages: dict, shots: pathlib.Path) -> None:
-    """Open each page in headless Chromium with the network cut: it renders, every
-    image loads, nothing is fetched; a screenshot of each lands in ``shots``."""
-    if _chromium() is None:
-        pytest.skip("Debian's chromium is not installed (make test installs it as root)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=_chromium(), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run"])
-        context = browser.new_context(offline=True)
-        remote = []
-        context.route(re.compile(r"^(?!file:|data:).*"),
-                      lambda route: (remote.append(route.request.url), route.abort()))
-        page = context.new_page()
-        for name, path in pages.items():
-            page.goto(path.resolve().as_uri())
-            page.wait_for_load_state("load")
-            images = page.eval_on_selector_all(
-                "img", "els => els.map(e => [e.complete, e.naturalWidth])")
-            assert images, f"{name}: no images"
-            assert all(done and width > 0 for done, width in images), (name, images)
-            page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
-            assert (shots / f"{name}.png").stat().st_size > 10_000
-        browser.close()
-    assert remote == []  # nothing fetched from the network
-
-
 @pytest.mark.slow
 @pytest.mark.browser
 def test_pages_render_offline_in_chromium(batch, tmp_path):
@@ -242,28 +217,40 @@ def test_pages_render_offline_in_chromium(batch, tmp_path):
     check_pages_offline({"index": out / "index.html", "good": out / "good" / "report.html"}, tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.browser
-def test_quick_mode_of_every_case(tmp_path):
-    """The real thing: every case notebook, quick parameters, papermill + nbconvert."""
-    from ddplab.cases import CASES
-
-    out = tmp_path / "reports"
-    lines = []
-    outcomes = run_batch(plan_batch(case_specs(), quick=True), out, timeout=400, echo=lines.append)
-    assert [(o.name, o.status) for o in outcomes] == [(name, "ok") for name in CASES], lines
-    for o in outcomes:
-        assert o.verdict is not None and o.verdict.findings, o.name
-        html = (out / o.report).read_text()
-        assert html.count("data:image/png;base64,") >= 2, o.name
-        assert html.index("Verdict") < html.index("Environment")
-        assert (out / o.name / "key-figure.png").exists()
-        assert len(html) < 3_000_000, (o.name, len(html))
-    check_pages_offline({"index": out / "index.html",
-                         "backend_divergence": out / "backend_divergence" / "report.html"}, tmp_path)
-
-
 def test_rules_across_parameters_are_checked_before_running():
     # Each value is valid alone; together they are not (live NCCL needs backend nccl).
     with pytest.raises(ValueError, match="case 'backend_divergence'.*nccl"):
         plan_batch(case_specs(["backend_divergence"]), overrides=[("orders", "[gloo, nccl_live_ring]")])
+
+
+def test_published_files_are_shareable_and_name_no_local_path(tmp_path, monkeypatch):
+    """Mode 0666 less the umask, no machine path inside, no stale figure after a failed re-run."""
+    import os
+
+    from ddplab.artifacts import local_path_scrubber
+
+    monkeypatch.chdir(tmp_path)
+    old = os.umask(0o022)
+    try:
+        [(spec, params)] = plan_batch([_spec(tmp_path, "good", OK_CELLS, key_figure=1)])
+        run_batch([(spec, params)], "reports", timeout=120, echo=lambda _: None)
+        files = [p for p in (tmp_path / "reports").rglob("*") if p.is_file()]
+        assert {f.name for f in files} >= {"report.html", "summary.md", "index.html", "index.json",
+                                         "verdict.json", "records.jsonl", "key-figure.png"}
+        for f in files:
+            assert f.stat().st_mode & 0o777 == 0o644, (f, oct(f.stat().st_mode))
+            text = f.read_text(errors="replace")
+            scrubbed = local_path_scrubber(spec.notebook.parent)(text)
+            for path in {str(tmp_path), os.getcwd(), sys.prefix, os.path.expanduser("~")}:
+                if f.suffix == ".png":
+                    continue
+                assert path not in text or text == scrubbed, (f, path)
+            if f.suffix != ".png":
+                assert text == scrubbed, f
+        # The same case failing on a re-run: its old key figure must not stay beside the new report.
+        broken = dataclasses.replace(spec, notebook=_notebook(tmp_path / "b.ipynb", FAIL_CELLS))
+        run_batch([(broken, params)], "reports", timeout=120, echo=lambda _: None)
+        assert not (tmp_path / "reports" / "good" / "key-figure.png").exists()
+        assert "key-figure" not in (tmp_path / "reports" / "good" / "summary.md").read_text()
+    finally:
+        os.umask(old)

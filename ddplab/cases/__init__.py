@@ -1,53 +1,75 @@
-"""The cases: one module per seed report.
+"""The case registry: the built-in cases, and any case given by a dotted path.
 
-Each case module defines the same small protocol, so that the notebook, the
-batch report, the explorer and torchrun all drive it the same way:
+A case is a :class:`~ddplab.cases.base.Case` instance that its module
+exposes as ``CASE``. The notebook helper, ``ddplab report``, the explorer
+and ``python -m ddplab run`` find cases only through :func:`get_case`, so a
+case that lives outside ddplab works everywhere a built-in one does::
 
-``NAME``, ``TITLE``, ``SEED`` (the report's file in shared/seeds), ``NOTEBOOK``
-    identification.
-``PARAMETERS``
-    a :class:`ddplab.parameters.ParameterSet`; the notebook's papermill
-    ``parameters`` cell mirrors it name for name and default for default.
-``QUICK``
-    overrides that make a run take seconds (``ddplab report --quick``, tests).
-``check_params(values)``
-    ``PARAMETERS.validate`` plus the rules that tie parameters together;
-    returns the full parsed parameters or raises ValueError naming the
-    parameter. Everything that starts a case calls it first.
-``worker(params)``
-    what every rank runs for the current world size; it reports through
-    :func:`ddplab.emit` and is launcher-agnostic (notebook launcher or torchrun).
-``run(params, progress=True)``
-    validates ``params`` and launches the ranks (one launch per world size
-    where the case compares several), returning the tidy records DataFrame.
-``verdict(records, params)``
-    the verdict rule: a :class:`ddplab.verdict.Verdict` computed from the records.
-``figures(records, params)``
-    the case's figures (matplotlib Figures, most telling first), for the
-    explorer; the notebook shows the same ones cell by cell.
+    ddplab report mypackage.mycase
+    torchrun --nproc-per-node 2 -m ddplab run mypackage.mycase --out runs/mine
+
+``get_case("mypackage.mycase")`` imports the module and returns its
+``CASE``; ``"mypackage.mycase:OTHER"`` names another attribute.
 """
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 
-__all__ = ["CASES", "get_case", "case_names"]
+from ddplab.cases.base import Case, LaunchPlan
 
-#: Case name -> (module, notebook file). Order is the report order.
-CASES = {
-    "backend_divergence": ("ddplab.cases.backend_divergence", "01_backend_divergence.ipynb"),
-    "half_precision": ("ddplab.cases.half_precision", "02_half_precision_weights.ipynb"),
-    "device_roundtrip": ("ddplab.cases.device_roundtrip", "03_device_roundtrip.ipynb"),
-    "allreduce_correctness": ("ddplab.cases.allreduce_correctness", "04_allreduce_correctness.ipynb"),
+__all__ = ["BUILTIN", "Case", "LaunchPlan", "get_case", "case_names", "builtin_cases"]
+
+#: Built-in case name -> module. Order is the report order.
+BUILTIN = {
+    "backend_divergence": "ddplab.cases.backend_divergence",
+    "half_precision": "ddplab.cases.half_precision",
+    "device_roundtrip": "ddplab.cases.device_roundtrip",
+    "allreduce_correctness": "ddplab.cases.allreduce_correctness",
 }
+
+_loaded: dict[str, Case] = {}
 
 
 def case_names() -> list[str]:
-    return list(CASES)
+    """The built-in cases, in report order."""
+    return list(BUILTIN)
 
 
-def get_case(name: str) -> ModuleType:
-    """The case module called ``name``; ValueError naming the known cases otherwise."""
-    if name not in CASES:
-        raise ValueError(f"unknown case {name!r}; known cases: {', '.join(CASES)}")
-    return importlib.import_module(CASES[name][0])
+def builtin_cases() -> list[Case]:
+    return [get_case(name) for name in BUILTIN]
+
+
+def get_case(name: "str | Case") -> Case:
+    """The case called ``name``: a built-in name, or ``package.module[:ATTRIBUTE]``.
+
+    Raises ValueError naming the known cases when ``name`` is neither, and
+    saying what is wrong when the module cannot be imported or holds no Case.
+    """
+    if isinstance(name, Case):
+        return name
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a case is a name or a dotted module path, got {name!r}")
+    if name in _loaded:
+        return _loaded[name]
+    if name in BUILTIN:
+        module_name, attribute = BUILTIN[name], "CASE"
+    elif "." in name or ":" in name:
+        module_name, _, attribute = name.partition(":")
+        attribute = attribute or "CASE"
+    else:
+        raise ValueError(f"unknown case {name!r}; built-in cases: {', '.join(BUILTIN)} "
+                         "(or give a module path such as mypackage.mycase)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"case {name!r}: cannot import {module_name!r}: {exc}") from None
+    case = getattr(module, attribute, None)
+    if isinstance(case, type) and issubclass(case, Case):
+        case = case()
+    if not isinstance(case, Case):
+        raise ValueError(f"case {name!r}: module {module_name!r} has no {attribute} "
+                         f"(an instance of ddplab.cases.Case), found {type(case).__name__}")
+    if not case.name:
+        raise ValueError(f"case {name!r}: its Case sets no name")
+    _loaded[name] = case
+    return case

@@ -1,19 +1,51 @@
-"""Measure a reduction's result against the exact value: ulps, errors, and the rounding verdict.
+"""The referee: measure a reduction's result against the exact value and say whether rounding explains it.
 
 :func:`measure` answers "how wrong is this result, and can rounding explain
-it?" for one reduced tensor: its distance in ulps from the correctly rounded
-value, its absolute error against the exact value (not the rounded one), the
-error relative to Σ|x_r| (the scale rounding errors live on), and the
-largest ratio of error to :func:`~ddplab.numerics.bounds.rounding_bound`.
+it?" for one reduced tensor. The numbers: its distance in ulps from the
+correctly rounded value, its absolute error against the exact value (not
+the rounded one), the error relative to Σ|x_r| (the scale rounding errors
+live on), maxima and RMS. The verdict uses the strongest evidence there is:
+
+1. **bitwise** -- where the order is emulated bit for bit
+   (:data:`~ddplab.numerics.orders.BIT_EXACT_ORDERS`: gloo's ring,
+   sequential, reverse, pairwise, exact; or any order a hook itself
+   applied), the result must equal the emulated order applied to the same
+   contributions in every bit. Any difference is "not rounding", however
+   small: rounding in that order gives exactly one answer.
+2. **bound** -- otherwise (a live NCCL result: ddplab's NCCL orders are
+   models) the error must stay within the rigorous bound
+   γ_d·Σ|x_r| (:func:`~ddplab.numerics.bounds.reduction_bounds`).
+3. **probabilistic** -- where the rigorous bound is infinite (d·u >= 1) the
+   verdict is "undetermined"; Higham & Mary's probabilistic bound is given
+   beside it as ``prob_bound_ratio``, with its ``prob_confidence``.
+
+Vocabulary (``classification``):
+
+* ``"rounding"`` -- the result is what rounding in this order gives: equal
+  to the emulation bit for bit, or within the rigorous bound;
+* ``"not rounding"`` -- rounding in this order cannot give it: a bit
+  differs from the bit-exact emulation, or an error exceeds the bound;
+* ``"undetermined"`` -- no bit-exact model and no finite bound: the
+  measurements are reported, no verdict is drawn;
+* ``"overflow"`` -- the dtype's range was exceeded (an infinity or NaN where
+  the exact value is finite, and an intermediate could reach the overflow
+  threshold). IEEE arithmetic does that legally; ``overflow_matches_order``
+  says whether the bit-exact emulation overflows identically (1: not a bug),
+  and with bitwise evidence an overflow the emulation does not have is
+  "not rounding".
+
+Every verdict covers the reduction of the given contributions only
+(:data:`REDUCTION_SCOPE`), never how they were computed.
+
 :func:`error_records` turns the same numbers into tidy
-:mod:`ddplab.records` rows for plots, verdicts and reports.
+:mod:`ddplab.records` rows labelled with the ``verdict`` and ``evidence``.
 
 Example::
 
     >>> x = torch.randn(4, 1000)
     >>> m = measure(reduce(x, "gloo_ring"), x, "gloo_ring")
-    >>> m["classification"], m["max_bound_ratio"] <= 1.0
-    ('rounding', True)
+    >>> m["classification"], m["evidence"], m["frac_matches_order"]
+    ('rounding', 'bitwise', 1.0)
 """
 from __future__ import annotations
 
@@ -21,23 +53,43 @@ import math
 
 import torch
 
-from ddplab.numerics.bounds import abs_sum, classify, rounding_bound
+from ddplab.numerics.bounds import (NOT_ROUNDING, OVERFLOW, PROBABILISTIC_CONFIDENCE, ROUNDING, UNDETERMINED,
+                                    abs_sum, classify, finite_abs_sum, reduction_bounds)
 from ddplab.numerics.contributions import as_contributions
 from ddplab.numerics.exact import exact_parts, round_to_dtype
 from ddplab.numerics.fpformat import float_format, parse_dtype
+from ddplab.numerics.orders import (BIT_EXACT_ORDERS, check_reduction, gloo_ring_segments, nccl_ring_chunks,
+                                    reduce)
 from ddplab.numerics.ulp import ulp_distance
 from ddplab.records import record
 
-__all__ = ["METRICS", "measure", "error_records"]
+__all__ = ["METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "same_bits", "measure",
+           "error_records", "records_of"]
 
 # The numeric entries of measure()'s dict, in the order error_records emits them.
 METRICS = ("numel", "max_ulp", "mean_ulp", "frac_correctly_rounded", "max_abs_error",
-           "max_rel_error", "max_bound_ratio", "within_bound")
+           "max_rel_error", "max_bound_ratio", "within_bound",
+           "rms_abs_error", "rms_rel_error", "bound_finite", "prob_bound_ratio", "prob_confidence",
+           "frac_matches_order", "differs_count", "first_differs",
+           "nan_count", "overflow_count", "overflow_matches_order")
+
+#: Kinds of evidence behind a verdict, strongest first.
+EVIDENCE = ("bitwise", "bound", "probabilistic")
+
+#: What a verdict of :func:`measure` covers, and what it does not.
+REDUCTION_SCOPE = ("covers the reduction of these contributions (the order's additions, its averaging "
+                   "and casts) against their exact sum or mean; not the forward/backward rounding that "
+                   "produced them, the optimizer step, or drift across steps")
+#: The same for gradient accumulation (``[W, k, N]`` contributions).
+ACCUMULATED_REDUCTION_SCOPE = ("covers the k local accumulations of each rank (param.grad += g, in the "
+                               "dtype) and the reduction of their sums against the exact sum or mean of "
+                               "all W·k micro-gradients; not the forward/backward rounding that produced "
+                               "them, the optimizer step, or drift across steps")
 
 
-def _reference_parts(c, op, reference):
+def _reference_parts(c, op, reference, divisor=None):
     if reference is None:
-        return exact_parts(c, op)
+        return exact_parts(c, op) if divisor is None else exact_parts(c, op, divisor=divisor)
     if isinstance(reference, tuple):
         hi, lo = reference
         return hi.to(torch.float64).reshape(-1), lo.to(torch.float64).reshape(-1)
@@ -45,22 +97,104 @@ def _reference_parts(c, op, reference):
     return hi, torch.zeros_like(hi)
 
 
-def measure(result, contributions, order: str | None = None, *, op: str = "sum", reference=None,
-            averaging: str | None = None, accumulate=None, **options) -> dict:
-    """Return the accuracy of ``result`` (the reduction of ``contributions``) as a dict.
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: identical bits, or both NaN (a NaN's payload is no part of the result)."""
+    ints = float_format(a.dtype).int_dtype
+    return (a.view(ints) == b.view(ints)) | (torch.isnan(a) & torch.isnan(b))
 
-    Keys: ``numel``; ``max_ulp`` and ``mean_ulp`` (|distance| to the
-    correctly rounded value in result's dtype); ``frac_correctly_rounded``;
-    ``max_abs_error`` (against the exact value); ``max_rel_error`` (max of
-    |error| / Σ|x_r|); with ``order`` also ``max_bound_ratio`` (max of
-    |error| / rounding bound), ``within_bound`` (1.0 or 0.0) and
-    ``classification`` ("rounding" or "not rounding"); without, those are
-    NaN and None. ``op``, ``averaging``, ``accumulate`` and ``options``
-    describe how the result was computed, as for
-    :func:`ddplab.numerics.reduce`. ``reference`` may carry the exact value
-    already computed: ``exact_parts(contributions, op)``'s ``(hi, lo)``.
+
+def _chunks(order: str, numel: int, world_size: int, element_size: int, options: dict):
+    """``(start, stop, owner)`` of the chunks the order finishes on one rank each (neighbours of one owner joined), or None."""
+    if order == "gloo_ring":
+        pieces = gloo_ring_segments(numel, world_size, element_size, options["max_segment_bytes"])
+    elif order == "nccl_ring":
+        ring = options["ring"] or list(range(world_size))
+        pieces = [(a, b, ring[c]) for a, b, c in
+                  nccl_ring_chunks(numel, world_size, options["channels"], options["chunk_elements"])]
+    else:
+        return None
+    joined: list[tuple[int, int, int]] = []
+    for a, b, owner in pieces:
+        if joined and joined[-1][1] == a and joined[-1][2] == owner:
+            joined[-1] = (joined[-1][0], b, owner)
+        else:
+            joined.append((a, b, owner))
+    return joined
+
+
+def _differs_by_chunk(differs: torch.Tensor, chunks) -> list[dict]:
+    idx = differs.nonzero().reshape(-1)
+    if chunks is None or idx.numel() == 0:
+        return [] if idx.numel() == 0 else [dict(start=0, stop=differs.numel(), owner=None,
+                                                     count=int(idx.numel()))]
+    starts = torch.tensor([a for a, _, _ in chunks])
+    counts = torch.bincount(torch.searchsorted(starts, idx, right=True) - 1, minlength=len(chunks))
+    return [dict(start=a, stop=b, owner=o, count=int(n)) for (a, b, o), n in zip(chunks, counts.tolist()) if n]
+
+
+def _empty(order, bitwise, scope) -> dict:
+    return dict(numel=0, max_ulp=0, mean_ulp=0.0, frac_correctly_rounded=1.0, max_abs_error=0.0,
+                max_rel_error=0.0, max_bound_ratio=0.0 if order else math.nan,
+                within_bound=1.0 if order else math.nan, rms_abs_error=0.0, rms_rel_error=0.0,
+                bound_finite=1.0 if order else math.nan, prob_bound_ratio=0.0 if order else math.nan,
+                prob_confidence=PROBABILISTIC_CONFIDENCE if order else math.nan,
+                frac_matches_order=1.0 if bitwise else math.nan, differs_count=0 if bitwise else math.nan,
+                first_differs=-1, nan_count=0, overflow_count=0, overflow_matches_order=math.nan,
+                classification=ROUNDING if order else None,
+                evidence=("bitwise" if bitwise else "bound") if order else None,
+                differs_by_chunk=[], scope=scope)
+
+
+def measure(result, contributions, order: str | None = None, *, op: str = "sum", reference=None,
+            averaging: str | None = None, accumulate=None, reduce_dtype=None, expected=None,
+            bitwise: bool | None = None, **options) -> dict:
+    """Measure ``result``, the reduction of ``contributions`` in ``order``, and give the verdict.
+
+    ``contributions``: the W per-rank inputs (a ``[W, N]`` tensor or anything
+    :func:`~ddplab.numerics.as_contributions` takes), or a ``[W, k, N]``
+    tensor of k micro-batch gradients per rank, accumulated locally before
+    the reduction (:func:`~ddplab.numerics.reduce_accumulated`).
+    ``op``, ``averaging``, ``accumulate``, ``reduce_dtype`` (the dtype the
+    reduction ran in when the data were cast to it, as compression hooks and
+    FSDP's ``reduce_dtype`` do) and ``options`` say how the result was
+    computed, as for :func:`ddplab.numerics.reduce`. ``reference`` may carry
+    the exact value already computed: ``exact_parts(contributions, op)``'s
+    ``(hi, lo)``. ``bitwise``: whether ``order`` is emulated bit for bit for
+    this result (default: ``order in BIT_EXACT_ORDERS``; pass True for an
+    NCCL order that a hook applied with ddplab's emulation, False for a live
+    result the emulation does not model). ``expected``: that emulation's
+    result if already computed (e.g. by a hook).
+
+    Returns a dict. Numbers (:data:`METRICS`): ``numel``; ``max_ulp`` and
+    ``mean_ulp`` (|distance| to the correctly rounded value in result's
+    dtype; 0 between NaNs); ``frac_correctly_rounded``; ``max_abs_error``
+    and ``rms_abs_error`` (against the exact value); ``max_rel_error`` and
+    ``rms_rel_error`` (|error| / Σ|x_r|); ``max_bound_ratio`` (max |error| /
+    rigorous bound, NaN where the bound is infinite), ``within_bound``
+    (1/0, NaN with it), ``bound_finite`` (1/0); ``prob_bound_ratio`` and
+    ``prob_confidence`` (the probabilistic bound's); ``frac_matches_order``,
+    ``differs_count`` and ``first_differs`` (bits against the emulation:
+    NaN, NaN and -1 without a bit-exact model); ``nan_count`` (NaN
+    results); ``overflow_count`` and ``overflow_matches_order`` (1/0, NaN
+    when nothing overflowed or there is no model). Labels:
+    ``classification`` (see the module docstring), ``evidence``
+    ("bitwise", "bound", "probabilistic"), ``differs_by_chunk`` (per chunk
+    of a ring with differing bits: start, stop, owner rank, count) and
+    ``scope``. Without ``order`` only the measurements are made
+    (classification and evidence None).
     """
-    c = as_contributions(contributions)
+    micro = isinstance(contributions, torch.Tensor) and contributions.dim() == 3
+    if micro:
+        from ddplab.numerics.accumulation import as_micro_contributions, local_sums
+
+        x = as_micro_contributions(contributions)
+        w, steps, n = x.shape
+        raw = as_contributions(x.reshape(w * steps, n))
+        c = as_contributions(local_sums(x))
+    else:
+        c = raw = as_contributions(contributions)
+        steps = 1
+    scope = ACCUMULATED_REDUCTION_SCOPE if micro else REDUCTION_SCOPE
     if not isinstance(result, torch.Tensor):
         raise ValueError(f"result must be a tensor, got {type(result).__name__}")
     result = result.detach().cpu().reshape(-1)
@@ -69,63 +203,161 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
         raise ValueError(f"result has {result.numel()} elements, the contributions {c.numel}")
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    hi, lo = _reference_parts(c, op, reference)
+    if order is not None:
+        check_reduction(order, c.world_size, op=op, averaging=averaging, accumulate=accumulate,
+                        reduce_dtype=reduce_dtype, **options)
+    if bitwise is None:
+        bitwise = order in BIT_EXACT_ORDERS
+    elif bitwise and order is None:
+        raise ValueError("bitwise evidence needs the order the result was computed in")
+    bitwise = bool(bitwise)
+    hi, lo = _reference_parts(raw, op, reference, divisor=c.world_size if micro and op == "avg" else None)
     if hi.numel() != c.numel:
         raise ValueError(f"reference has {hi.numel()} elements, the contributions {c.numel}")
-    out = {"numel": c.numel}
     if c.numel == 0:
-        out.update(max_ulp=0, mean_ulp=0.0, frac_correctly_rounded=1.0, max_abs_error=0.0,
-                   max_rel_error=0.0, max_bound_ratio=0.0 if order else math.nan,
-                   within_bound=1.0 if order else math.nan, classification="rounding" if order else None)
-        return out
+        return _empty(order, bitwise, scope)
+
+    # ---- measurements
     rounded = round_to_dtype(hi, lo, dtype)
     ulps = ulp_distance(result, rounded).abs()
     y = result.to(torch.float64)
-    # Same infinity or both NaN: nothing to measure there (y - hi would be NaN).
-    same = (y == hi) | (torch.isnan(y) & torch.isnan(hi))
-    error = torch.where(same, torch.zeros_like(y), ((y - hi) - lo).abs())
+    special = ~torch.isfinite(hi)            # an inf or NaN among the inputs (or beyond float64)
+    # IEEE's answer for such inputs (same infinity, or NaN and NaN): nothing to measure there.
+    ieee_same = special & ((y == rounded.to(torch.float64)) | (torch.isnan(y) & torch.isnan(rounded)))
+    error = torch.where(ieee_same, torch.zeros_like(y), ((y - hi) - lo).abs())
     error = torch.where(torch.isnan(error), torch.full_like(error, math.inf), error)
-    total = abs_sum(c)
+    total = abs_sum(raw)
     rel = torch.where(error == 0, torch.zeros_like(error), error / total)
+    out = {"numel": c.numel}
     out.update(
         max_ulp=int(ulps.max()),
         mean_ulp=float(ulps.to(torch.float64).mean()),
         frac_correctly_rounded=float((ulps == 0).to(torch.float64).mean()),
         max_abs_error=float(error.max()),
         max_rel_error=float(rel.max()),
+        rms_abs_error=float(error.square().mean().sqrt()),
+        rms_rel_error=float(rel.square().mean().sqrt()),
+        nan_count=int(torch.isnan(result).sum()),
     )
     if order is None:
-        out.update(max_bound_ratio=math.nan, within_bound=math.nan, classification=None)
+        out.update(max_bound_ratio=math.nan, within_bound=math.nan, bound_finite=math.nan,
+                   prob_bound_ratio=math.nan, prob_confidence=math.nan, frac_matches_order=math.nan,
+                   differs_count=math.nan, first_differs=-1, overflow_count=0,
+                   overflow_matches_order=math.nan, classification=None, evidence=None,
+                   differs_by_chunk=[], scope=scope)
         return out
-    bound = rounding_bound(c, order, dtype, op=op, averaging=averaging, accumulate=accumulate,
-                           abs_total=total, exact_value=hi.abs(), **options)
-    label, ratio = classify(error, bound)
-    out.update(max_bound_ratio=ratio, within_bound=float(ratio <= 1.0), classification=label)
+
+    # ---- bounds and overflow
+    bounds = reduction_bounds(c, order, op=op, averaging=averaging, accumulate=accumulate,
+                              reduce_dtype=reduce_dtype, result_dtype=dtype, local_steps=steps,
+                              abs_total=total, exact_value=hi.abs(), **options)
+    # A non-finite result the inputs do not explain is an overflow if some
+    # intermediate could reach the threshold (grown from the finite inputs only).
+    suspect = ~torch.isfinite(y) & (error > 0)
+    overflowed = torch.zeros_like(suspect)
+    if bool(suspect.any()):
+        peak = bounds.peak
+        if bool((suspect & special).any()):
+            finite = reduction_bounds(c, order, op=op, averaging=averaging, accumulate=accumulate,
+                                      reduce_dtype=reduce_dtype, result_dtype=dtype, local_steps=steps,
+                                      abs_total=finite_abs_sum(raw), exact_value=hi.abs(), **options)
+            peak = torch.where(special, finite.peak, peak)
+        overflowed = suspect & (peak >= bounds.overflow_threshold)
+    judged = ~overflowed
+    # Inputs with an inf or NaN have an IEEE answer, not a rounding error: zero tolerance there.
+    rigorous = torch.where(special, torch.zeros_like(bounds.rigorous), bounds.rigorous)
+    probabilistic = torch.where(special, torch.zeros_like(bounds.probabilistic), bounds.probabilistic)
+    label, ratio = classify(error[judged], rigorous[judged])
+    bound_finite = bool(torch.isfinite(rigorous[judged]).all())
+    _, prob_ratio = classify(error[judged], probabilistic[judged])
+    if (not bound_finite and label != NOT_ROUNDING) or not bool(judged.any()):
+        ratio = math.nan      # no finite bound, or nothing but overflows to judge
+    if not bool(judged.any()):
+        prob_ratio = math.nan
+    out.update(
+        max_bound_ratio=ratio,
+        within_bound=math.nan if math.isnan(ratio) else float(ratio <= 1.0),
+        bound_finite=float(bound_finite),
+        prob_bound_ratio=prob_ratio,
+        prob_confidence=bounds.confidence,
+        overflow_count=int(overflowed.sum()),
+        scope=scope,
+    )
+
+    # ---- the verdict, strongest evidence first
+    if bitwise:
+        if expected is None:
+            emulated = c if reduce_dtype is None else c.map(lambda t: t.to(parse_dtype(reduce_dtype)),
+                                                          dtype=parse_dtype(reduce_dtype))
+            expected = reduce(emulated, order, op=op, averaging=None if order == "exact" else averaging,
+                              accumulate=accumulate, **options).to(dtype)
+        expected = expected.detach().cpu().reshape(-1)
+        if expected.numel() != c.numel or expected.dtype != dtype:
+            raise ValueError(f"expected must hold {c.numel} {dtype} elements, got {expected.numel()} "
+                             f"{expected.dtype}")
+        differs = ~same_bits(result, expected)
+        count = int(differs.sum())
+        element_size = torch.empty((), dtype=parse_dtype(reduce_dtype or c.dtype)).element_size()
+        chunks = _chunks(order, c.numel, c.world_size, element_size,
+                         check_reduction(order, c.world_size, **options)["options"])
+        out.update(
+            frac_matches_order=1.0 - count / c.numel,
+            differs_count=count,
+            first_differs=int(differs.nonzero()[0, 0]) if count else -1,
+            overflow_matches_order=(math.nan if not bool(overflowed.any())
+                                    else float(not bool(differs[overflowed].any()))),
+            differs_by_chunk=_differs_by_chunk(differs, chunks),
+            evidence="bitwise",
+        )
+        classification = NOT_ROUNDING if count else (OVERFLOW if bool(overflowed.any()) else ROUNDING)
+    else:
+        out.update(frac_matches_order=math.nan, differs_count=math.nan, first_differs=-1,
+                   overflow_matches_order=math.nan, differs_by_chunk=[],
+                   evidence="probabilistic" if label == UNDETERMINED else "bound")
+        classification = OVERFLOW if label == ROUNDING and bool(overflowed.any()) else label
+    out["classification"] = classification
     return out
 
 
 def error_records(result, contributions, order: str | None, *, op: str = "sum", reference=None,
-                  averaging: str | None = None, accumulate=None, options: dict | None = None,
+                  averaging: str | None = None, accumulate=None, reduce_dtype=None, expected=None,
+                  bitwise: bool | None = None, options: dict | None = None,
                   step: int | None = None, rank: int | None = None, bucket: int | None = None,
                   **labels) -> list[dict]:
     """The :func:`measure` numbers as tidy records, one per metric in :data:`METRICS`.
 
-    Every record carries the labels ``order``, ``op``, ``dtype`` and
-    ``world_size`` plus ``labels``; ``options`` are the order's options.
+    Every record carries the labels ``order``, ``op``, ``dtype``,
+    ``world_size``, ``verdict`` (the classification) and ``evidence``, plus
+    ``averaging``, ``accumulate``, ``reduce_dtype`` when given and
+    ``labels``; ``options`` are the order's options.
 
     Example::
 
         >>> x = torch.randn(3, 10)
-        >>> [r["metric"] for r in error_records(reduce(x, "sequential"), x, "sequential", step=0)][:3]
-        ['numel', 'max_ulp', 'mean_ulp']
+        >>> recs = error_records(reduce(x, "sequential"), x, "sequential", step=0)
+        >>> [r["metric"] for r in recs][:3], recs[0]["verdict"], recs[0]["evidence"]
+        (['numel', 'max_ulp', 'mean_ulp'], 'rounding', 'bitwise')
     """
-    c = as_contributions(contributions)
-    m = measure(result, c, order, op=op, reference=reference, averaging=averaging,
-                accumulate=accumulate, **(options or {}))
-    base = dict(order=order, op=op, dtype=float_format(result.dtype).name, world_size=c.world_size)
+    m = measure(result, contributions, order, op=op, reference=reference, averaging=averaging,
+                accumulate=accumulate, reduce_dtype=reduce_dtype, expected=expected, bitwise=bitwise,
+                **(options or {}))
+    return records_of(m, result, contributions, order, op=op, averaging=averaging, accumulate=accumulate,
+                      reduce_dtype=reduce_dtype, step=step, rank=rank, bucket=bucket, **labels)
+
+
+def records_of(m: dict, result, contributions, order: str | None, *, op: str = "sum",
+               averaging: str | None = None, accumulate=None, reduce_dtype=None, step: int | None = None,
+               rank: int | None = None, bucket: int | None = None, **labels) -> list[dict]:
+    """:func:`error_records` of a :func:`measure` dict ``m`` already computed for these arguments."""
+    world = contributions.shape[0] if isinstance(contributions, torch.Tensor) else \
+        as_contributions(contributions).world_size
+    base = dict(order=order, op=op, dtype=float_format(result.dtype).name, world_size=world,
+                verdict=m["classification"], evidence=m["evidence"])
     if averaging is not None:
         base["averaging"] = averaging
     if accumulate is not None:
         base["accumulate"] = float_format(accumulate).name
+    if reduce_dtype is not None:
+        base["reduce_dtype"] = float_format(reduce_dtype).name
     base.update(labels)
     return [record(metric, m[metric], step=step, rank=rank, bucket=bucket, **base) for metric in METRICS]

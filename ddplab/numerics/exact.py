@@ -314,17 +314,22 @@ def exact_mean(contributions, dtype=None) -> torch.Tensor:
     return torch.from_numpy(out).to(fmt.dtype)
 
 
-def exact_parts(contributions, op: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
+def exact_parts(contributions, op: str = "sum", *, divisor: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return float64 ``(hi, lo)`` with ``hi = RN64(V)`` and ``lo`` ≈ ``V - hi`` (faithful), V = S or S/W.
 
     The error of any computed result ``y`` is then ``(y - hi) - lo``, accurate
     to float64 rounding of that difference, even when ``y`` is float64.
+    ``divisor`` replaces W for ``op="avg"``: the mean of W ranks that each
+    accumulated k rows is the sum of the W·k rows divided by W.
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    if divisor is not None and (op != "avg" or isinstance(divisor, bool) or not isinstance(divisor, int)
+                                or divisor < 1):
+        raise ValueError(f"divisor must be a positive int, with op='avg' only; got {divisor!r}")
     c = as_contributions(contributions)
     _check_float(c)
-    hi, lo = _reduce_exact(c, 1 if op == "sum" else c.world_size, None, parts=True)
+    hi, lo = _reduce_exact(c, 1 if op == "sum" else (divisor or c.world_size), None, parts=True)
     return torch.from_numpy(hi), torch.from_numpy(lo)
 
 

@@ -43,6 +43,18 @@ multiplied by fl(1/W) in the dtype as it enters the sum) and
 float32's 1/W, rounding to the dtype after; the same as
 ``multiply_reciprocal`` for float32 and float64).
 
+Narrower reductions (``reduce_dtype``): torch's ``fp16_compress_hook`` and
+``bf16_compress_hook`` cast the bucket to float16/bfloat16, divide by W in
+that dtype (``divide_first``), all-reduce SUM in it and cast the result
+back; FSDP's ``reduce_dtype`` casts likewise. :func:`reduce` with
+``reduce_dtype`` does the same, with torch's own casts.
+
+Which orders are bit for bit (:data:`BIT_EXACT_ORDERS`): gloo's ring
+(checked against live gloo for W = 2..8, every dtype, sizes on and off the
+1 MiB segment boundaries), the fixed orders and ``exact``. ``nccl_ring`` and
+``nccl_tree`` are models of NCCL, bit for bit only when ddplab itself
+computed them (an emulating hook), never for a live NCCL result.
+
 Example::
 
     >>> x = torch.tensor([[1.0], [1e-8], [-1.0], [1e-8]])   # float32
@@ -60,9 +72,12 @@ from ddplab.numerics.fpformat import float_format, parse_dtype
 
 __all__ = [
     "ORDERS",
+    "BIT_EXACT_ORDERS",
     "AVERAGING",
+    "DDP_AVERAGING",
     "GLOO_MAX_SEGMENT_BYTES",
     "reduce",
+    "check_reduction",
     "order_depth",
     "order_options",
     "default_averaging",
@@ -74,6 +89,10 @@ __all__ = [
 
 ORDERS = ("sequential", "reverse", "pairwise", "gloo_ring", "nccl_ring", "nccl_tree", "exact")
 AVERAGING = ("divide_first", "sum_then_divide", "multiply_reciprocal", "multiply_float32_reciprocal")
+#: Orders whose emulation is the live computation bit for bit (NCCL's are models, see above).
+BIT_EXACT_ORDERS = ("sequential", "reverse", "pairwise", "gloo_ring", "exact")
+#: DDP's reducer without a hook: ``grad.mul_(1/W)`` before the SUM (float32's 1/W for half types).
+DDP_AVERAGING = "multiply_float32_reciprocal"
 
 # gloo::AllreduceOptions::kMaxSegmentSize: each send/recv moves at most 1 MiB.
 GLOO_MAX_SEGMENT_BYTES = 1 << 20
@@ -289,6 +308,18 @@ def _pairwise_tree(world_size: int):
     return level[0]
 
 
+class _ChunkPrograms(dict):
+    """A ring's W chain programs, built when a chunk first asks (W of them cost O(W^2) to build)."""
+
+    def __init__(self, world_size: int, ranks_of_chunk):
+        super().__init__()
+        self._w, self._ranks = world_size, ranks_of_chunk
+
+    def __missing__(self, c: int) -> tuple:
+        self[c] = program = chain_program(self._ranks(c))
+        return program
+
+
 def _order_programs(order: str, world_size: int, opts: dict) -> dict:
     """Every program the order can use, keyed by what selects it (chunk, tree, ...)."""
     w = world_size
@@ -299,10 +330,10 @@ def _order_programs(order: str, world_size: int, opts: dict) -> dict:
     if order == "pairwise":
         return {0: tree_program(_pairwise_tree(w))}
     if order == "gloo_ring":
-        return {c: chain_program([(c - 1 - k) % w for k in range(w)]) for c in range(w)}
+        return _ChunkPrograms(w, lambda c: [(c - 1 - k) % w for k in range(w)])
     if order == "nccl_ring":
         ring = opts["ring"] or list(range(w))
-        return {c: chain_program([ring[(c + 1 + k) % w] for k in range(w)]) for c in range(w)}
+        return _ChunkPrograms(w, lambda c: [ring[(c + 1 + k) % w] for k in range(w)])
     if order == "nccl_tree":
         trees = nccl_double_binary_tree(w // opts["ranks_per_node"])
         return {t: _nccl_tree_program(trees[t], opts["ranks_per_node"]) for t in (0, 1)}
@@ -346,11 +377,24 @@ def order_depth(order: str, world_size: int, **options) -> int:
     opts = order_options(order, world_size, **options)
     if order == "exact":
         return 0
+    if order in ("gloo_ring", "nccl_ring"):
+        return world_size - 1          # every chunk is a chain through all W ranks
     programs = _order_programs(order, world_size, opts)
     return max(program_depth(p) for p in programs.values())
 
 
-def _arithmetic(dtype, order, op, averaging, accumulate, world_size) -> Arithmetic:
+def check_reduction(order: str, world_size: int | None = None, *, op: str = "sum",
+                    averaging: str | None = None, accumulate=None, reduce_dtype=None,
+                    **options) -> dict:
+    """Validate everything :func:`reduce` accepts; return it with the defaults filled in.
+
+    Returns ``dict(op, averaging, accumulate, reduce_dtype, options)``:
+    ``averaging`` resolved for ``op="avg"`` (None for sums), dtypes as torch
+    dtypes or None, ``options`` as :func:`order_options` gives them. Raises
+    ValueError naming what is wrong, before any data is touched; whether
+    ``accumulate`` is wide enough is checked against the data in :func:`reduce`.
+    """
+    opts = order_options(order, world_size, **options)
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     if op == "sum" and averaging is not None:
@@ -359,6 +403,14 @@ def _arithmetic(dtype, order, op, averaging, accumulate, world_size) -> Arithmet
         averaging = averaging or default_averaging(order)
         if averaging not in AVERAGING:
             raise ValueError(f"unknown averaging {averaging!r}; choose one of {', '.join(AVERAGING)}")
+    return dict(op=op, averaging=averaging,
+                accumulate=None if accumulate is None else parse_dtype(accumulate),
+                reduce_dtype=None if reduce_dtype is None else parse_dtype(reduce_dtype),
+                options=opts)
+
+
+def _arithmetic(dtype, order, op, averaging, accumulate, world_size) -> Arithmetic:
+    averaging = check_reduction(order, op=op, averaging=averaging)["averaging"]
     compute = dtype if accumulate is None else parse_dtype(accumulate)
     if float_format(compute).p < float_format(dtype).p:
         raise ValueError(f"accumulate={compute} is less precise than the data's {dtype}")
@@ -380,16 +432,20 @@ def _arithmetic(dtype, order, op, averaging, accumulate, world_size) -> Arithmet
 
 
 def reduce(contributions, order: str = "gloo_ring", *, op: str = "sum", averaging: str | None = None,
-           accumulate=None, **options) -> torch.Tensor:
+           accumulate=None, reduce_dtype=None, **options) -> torch.Tensor:
     """Reduce W contributions elementwise in ``order``, rounding exactly where that backend rounds.
 
     ``op="avg"`` averages with ``averaging`` (default: what the backend of
     ``order`` does, see the module docstring). ``accumulate`` (e.g.
     ``torch.float32`` for half-precision data) converts the contributions
     exactly, does every operation in that dtype and rounds to the data's
-    dtype once at the end; it has no effect on ``"exact"``. ``options`` are
-    the order's own (see :func:`order_options`). Returns a 1-D tensor of N
-    elements in the contributions' dtype.
+    dtype once at the end; it has no effect on ``"exact"``. ``reduce_dtype``
+    runs the whole reduction in another dtype, as compression hooks do:
+    each contribution is cast to it (torch's ``.to``, rounding when it is
+    narrower), reduced there (``averaging`` and ``accumulate`` included) and
+    the result cast back. ``options`` are the order's own (see
+    :func:`order_options`). Returns a 1-D tensor of N elements in the
+    contributions' dtype.
 
     Example::
 
@@ -400,6 +456,10 @@ def reduce(contributions, order: str = "gloo_ring", *, op: str = "sum", averagin
     c = as_contributions(contributions)
     dtype = parse_dtype(c.dtype)
     opts = order_options(order, c.world_size, **options)
+    if reduce_dtype is not None and parse_dtype(reduce_dtype) != dtype:
+        narrow = parse_dtype(reduce_dtype)
+        cast = c.map(lambda t: t.to(narrow), dtype=narrow)
+        return reduce(cast, order, op=op, averaging=averaging, accumulate=accumulate, **opts).to(dtype)
     arith = _arithmetic(dtype, order, op, averaging, accumulate, c.world_size)
     if order == "exact":
         from ddplab.numerics.exact import exact_mean, exact_sum

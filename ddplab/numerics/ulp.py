@@ -5,7 +5,10 @@ negative values to minus their magnitude puts every float16, bfloat16,
 float32 and float64 value on one ordered integer line on which consecutive
 floats are consecutive integers and +0 and -0 are both 0. The ulp distance is
 a difference on that line: signed, exact, and correct across zero and sign
-changes (the distance from -tiny to +tiny is 2, not "huge").
+changes (the distance from -tiny to +tiny is 2, not "huge"). A NaN is not a
+point on that line: two NaNs are 0 ulps apart whatever their sign and payload
+bits (torch's ``inf + -inf`` and the reference's NaN differ in their bits but
+are the same result), and a NaN against a number is as far as it gets.
 
 Example::
 
@@ -28,8 +31,9 @@ _INT64_MAX = (1 << 63) - 1
 def ordered_int(x: torch.Tensor) -> torch.Tensor:
     """Map floats to int64 so that order and adjacency are preserved and ±0 map to 0.
 
-    NaNs map beyond ±infinity (their payload decides where), so a NaN
-    always shows as a huge distance rather than hiding.
+    NaNs map beyond ±infinity (their sign and payload decide where); use
+    :func:`ulp_distance`, not differences of these, to compare results
+    that may hold NaNs.
     """
     fmt = float_format(x.dtype)
     bits = x.contiguous().view(fmt.int_dtype).to(torch.int64)
@@ -41,8 +45,16 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Return ``a - b`` in ulps of their common dtype: an int64 tensor, signed, ±0 equal.
 
     ``a`` and ``b`` must share a dtype (one of the four float types) and
-    broadcast. For float64 the distance saturates at ±(2^63 - 1), reached
-    only between values near opposite ends of the range.
+    broadcast. Two NaNs are 0 apart (any sign, any payload); a NaN against
+    a number is ±(2^63 - 1), positive when ``a`` is the NaN. For float64 the
+    distance also saturates at ±(2^63 - 1), reached only between values near
+    opposite ends of the range.
+
+    Example::
+
+        >>> nan = torch.tensor([float("inf")]) + torch.tensor([float("-inf")])   # torch's NaN bits
+        >>> ulp_distance(nan, torch.tensor([float("nan")])).item(), ulp_distance(nan, torch.ones(1)).item()
+        (0, 9223372036854775807)
     """
     if a.dtype != b.dtype:
         raise ValueError(f"ulp_distance needs one dtype, got {a.dtype} and {b.dtype}")
@@ -54,6 +66,10 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if bool(overflow.any()):
             saturated = torch.where(oa < 0, torch.full_like(diff, -_INT64_MAX), torch.full_like(diff, _INT64_MAX))
             diff = torch.where(overflow, saturated, diff)
+    na, nb = torch.broadcast_tensors(torch.isnan(a), torch.isnan(b))
+    if bool(na.any()) or bool(nb.any()):
+        far = torch.where(na, torch.full_like(diff, _INT64_MAX), torch.full_like(diff, -_INT64_MAX))
+        diff = torch.where(na & nb, torch.zeros_like(diff), torch.where(na | nb, far, diff))
     return diff
 
 

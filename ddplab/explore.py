@@ -292,20 +292,39 @@ def playground_contributions(distribution: str, world_size: int, numel: int, dty
     return as_contributions(gen, world_size=world_size)
 
 
+#: The collectives the playground emulates, and the orders each offers.
+PLAYGROUND_OPERATIONS = {
+    "all-reduce": PLAYGROUND_ORDERS,
+    # NCCL runs reduce-scatter on rings (no tree); gloo's is its ring all-reduce, sliced.
+    "reduce-scatter": ("sequential", "reverse", "pairwise", "gloo_ring", "nccl_ring"),
+}
+
+
+def playground_numel(operation: str, numel: int, world_size: int) -> int:
+    """The element count the playground reduces: a reduce-scatter needs a multiple of W (rounded up)."""
+    if operation not in PLAYGROUND_OPERATIONS:
+        raise ValueError(f"unknown operation {operation!r}; choose one of {', '.join(PLAYGROUND_OPERATIONS)}")
+    return -(-numel // world_size) * world_size if operation == "reduce-scatter" else numel
+
+
 class NumericsPlayground:
-    """Ulp errors of emulated reduction orders against the exact sum, recomputed live."""
+    """Ulp errors of emulated all-reduce or reduce-scatter orders against the exact sum, recomputed live."""
 
     def __init__(self, dtype: str = "float32", world_size: int = 8, distribution: str = "normal",
                  orders: tuple[str, ...] = ("sequential", "pairwise", "gloo_ring", "nccl_ring"),
-                 numel: int = 20_000, seed: int = 0):
+                 numel: int = 20_000, seed: int = 0, operation: str = "all-reduce"):
         style = {"description_width": "120px"}
+        playground_numel(operation, numel, world_size)    # an unknown operation raises here
+        self.operation = w.ToggleButtons(options=list(PLAYGROUND_OPERATIONS), value=operation,
+                                         description="operation", style=style)
         self.dtype = w.Dropdown(options=["float16", "bfloat16", "float32", "float64"], value=dtype,
                                 description="dtype", style=style)
         self.world_size = w.SelectionSlider(options=sorted({2 ** k for k in range(1, 11)} | {3, 5, 6, 7}),
                                             value=world_size, description="W (ranks)", style=style)
         self.distribution = w.Dropdown(options=list(DISTRIBUTIONS), value=distribution,
                                        description="values", style=style)
-        self.orders = w.SelectMultiple(options=list(PLAYGROUND_ORDERS), value=tuple(orders),
+        offered = PLAYGROUND_OPERATIONS[operation]
+        self.orders = w.SelectMultiple(options=list(offered), value=tuple(o for o in orders if o in offered),
                                        description="orders", rows=len(PLAYGROUND_ORDERS), style=style)
         self.numel = w.BoundedIntText(value=numel, min=1, max=2_000_000, description="elements", style=style)
         self.seed = w.IntText(value=seed, description="seed", style=style)
@@ -314,29 +333,51 @@ class NumericsPlayground:
         self.figure.add_class("ddplab-playground-figure")
         self.status = w.HTML()
         controls = [self.dtype, self.world_size, self.distribution, self.orders, self.numel, self.seed]
-        self.widget = w.VBox([w.HBox([w.VBox(controls[:3]), w.VBox(controls[3:])]),
+        self.widget = w.VBox([self.operation, w.HBox([w.VBox(controls[:3]), w.VBox(controls[3:])]),
                               self.status, self.table, self.figure])
         self.results: dict[str, dict] = {}
         for c in controls:
             c.observe(lambda change: self.update(), names="value")
+        self.operation.observe(lambda change: self._offer_orders(), names="value")
+        self.update()
+
+    def _offer_orders(self) -> None:
+        """Offer the chosen operation's orders, keeping the chosen ones it has; then recompute."""
+        offered = PLAYGROUND_OPERATIONS[self.operation.value]
+        keep = tuple(o for o in self.orders.value if o in offered) or offered[:1]
+        self._switching = True      # no recomputation for the intermediate states
+        try:
+            self.orders.options = list(offered)
+            self.orders.value = keep
+        finally:
+            self._switching = False
         self.update()
 
     def compute(self) -> dict[str, dict]:
-        """Per order: measure() of the emulated result and the ulp errors per element."""
+        """Per order: measure() of the emulated result and the ulp errors per element.
+
+        A reduce-scatter's result is every rank's shard, concatenated; its
+        element count is rounded up to a multiple of W.
+        """
         from ddplab.numerics.accuracy import measure
         from ddplab.numerics.exact import exact_parts, round_to_dtype
         from ddplab.numerics.fpformat import parse_dtype
         from ddplab.numerics.orders import reduce
+        from ddplab.numerics.reduce_scatter import reduce_scatter
         from ddplab.numerics.ulp import ulp_distance
 
         dtype = parse_dtype(self.dtype.value)
+        operation = self.operation.value
+        numel = playground_numel(operation, self.numel.value, self.world_size.value)
         contributions = playground_contributions(self.distribution.value, self.world_size.value,
-                                                 self.numel.value, dtype, self.seed.value)
+                                                 numel, dtype, self.seed.value)
         hi, lo = exact_parts(contributions)
         exact = round_to_dtype(hi, lo, dtype)
+        collective = reduce_scatter if operation == "reduce-scatter" else reduce
         out = {}
         for order in self.orders.value:
-            result = reduce(contributions, order)
+            # Rings and fixed orders have the same depth in both collectives, so one bound serves.
+            result = collective(contributions, order)
             metrics = measure(result, contributions, order, reference=(hi, lo))
             metrics["ulp_errors"] = ulp_distance(result, exact)
             out[order] = metrics
@@ -344,6 +385,8 @@ class NumericsPlayground:
 
     def update(self) -> None:
         """Recompute and redraw (called on every widget change)."""
+        if getattr(self, "_switching", False):
+            return
         if not self.orders.value:
             self.status.value = "choose at least one order"
             return
@@ -361,7 +404,8 @@ class NumericsPlayground:
                             "<th>correctly rounded</th><th>max error / bound</th><th>verdict</th></tr>"
                             f"{rows}</table>")
         self.figure.value = self._histogram()
-        self.status.value = (f"W={self.world_size.value}, {self.numel.value} elements, "
+        numel = playground_numel(self.operation.value, self.numel.value, self.world_size.value)
+        self.status.value = (f"{self.operation.value}, W={self.world_size.value}, {numel} elements, "
                              f"{self.dtype.value}, {self.distribution.value}: "
                              f"{time.perf_counter() - t0:.2f} s")
 

@@ -4,6 +4,7 @@
 * :mod:`~ddplab.numerics.contributions` — W per-rank inputs, stored or generated;
 * :mod:`~ddplab.numerics.exact` — correctly rounded sums and means (the reference);
 * :mod:`~ddplab.numerics.orders` — sequential, pairwise, gloo ring, NCCL ring/tree, bit for bit;
+* :mod:`~ddplab.numerics.reduce_scatter` — the same for reduce-scatter, and FSDP2's divide factors;
 * :mod:`~ddplab.numerics.accumulation` — k local accumulations (no_sync) then the reduction;
 * :mod:`~ddplab.numerics.ulp` — signed ulp distances;
 * :mod:`~ddplab.numerics.bounds` — γ_d·Σ|x_r|, the probabilistic bound, error vs bound;
@@ -31,6 +32,8 @@ from ddplab.numerics.orders import (AVERAGING, BIT_EXACT_ORDERS, DDP_AVERAGING, 
                                     check_reduction, default_averaging, gloo_ring_segments,
                                     nccl_double_binary_tree, nccl_ring_chunks, order_depth, order_options,
                                     reduce, reduction_pieces)
+from ddplab.numerics.reduce_scatter import (REDUCE_SCATTER_ORDERS, FSDPReduction, fsdp_reduction,
+                                            reduce_scatter, reduce_scatter_pieces, shard_range)
 from ddplab.numerics.ulp import ordered_int, ulp, ulp_distance
 
 __all__ = [
@@ -45,6 +48,9 @@ __all__ = [
     "check_reduction", "order_depth", "order_options",
     "default_averaging", "gloo_ring_segments", "nccl_ring_chunks", "nccl_double_binary_tree",
     "reduction_pieces",
+    # reduce-scatter
+    "REDUCE_SCATTER_ORDERS", "reduce_scatter", "reduce_scatter_pieces", "shard_range",
+    "FSDPReduction", "fsdp_reduction",
     # gradient accumulation
     "as_micro_contributions", "local_sums", "reduce_accumulated", "accumulated_depth",
     "accumulated_bounds", "accumulated_bound", "accumulated_exact_parts",

@@ -107,10 +107,10 @@ def false_alarms(seeds: int, steps: int) -> None:
 def _named(verdict, expected) -> bool:
     if verdict.kind != expected.verdict or verdict.finding != expected.finding:
         return False
-    values = verdict.values(expected.finding) if expected.finding else {}
+    values = verdict.finding_values(expected.finding) if expected.finding else {}
     if expected.factor is not None and abs(values["factor"] / expected.factor - 1) > 1e-3:
         return False
-    if expected.missing is not None and tuple(values["missing_pieces"]) != expected.missing:
+    if expected.missing is not None and tuple(map(tuple, values["missing_pieces"])) != expected.missing:
         return False
     return True
 

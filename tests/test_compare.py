@@ -39,9 +39,23 @@ def test_correct_example_is_rounding_in_every_configuration(correct_run):
         assert verdict.steps_completed == STEPS
         assert verdict.max_deviation <= referee.ROUNDING_MARGIN
         assert verdict.first_divergence is None and verdict.finding is None
-        assert verdict.values("within_band")["steps_compared"] == STEPS
+        assert verdict.finding_values("within_band")["steps_compared"] == STEPS
     # DDP and FSDP2 keep every rank bitwise identical.
-    assert result.verdict("ddp W=2").values("ranks_agree")["max_rank_distance"] == 0.0
+    assert result.verdict("ddp W=2").finding_values("ranks_agree")["max_rank_distance"] == 0.0
+
+
+def test_collectives_are_audited_bit_for_bit_where_ddplab_emulates_them(correct_run):
+    _, result = correct_run
+    for label, collective in (("ddp W=2", "allreduce"), ("accumulate W=2 k=2", "allreduce"),
+                              ("fabric W=2", "allreduce"), ("fsdp2 W=2", "reduce_scatter"),
+                              ("fsdp2 W=2 bfloat16", "reduce_scatter")):
+        reduction = result.verdict(label)._finding("reduction")
+        assert reduction.holds, (label, reduction.evidence)
+        assert reduction.values["evidence"] == ["bitwise"] and reduction.values["collective"] == [collective]
+        assert reduction.values["steps"] == STEPS and reduction.values["min_match"] == 1.0
+    # A custom step's synchronization is the user's own: no reduction audit, end to end only.
+    with pytest.raises(KeyError):
+        result.verdict("accumulate_correctly W=2 k=2")._finding("reduction")
 
 
 def test_bfloat16_is_judged_against_a_bfloat16_reference(correct_run):
@@ -96,7 +110,7 @@ def test_summed_loss_is_a_factor_of_one_over_w():
     (label, expected), = example.expected.items()
     verdict = result.verdict(label)
     assert (verdict.kind, verdict.finding) == ("bug", "factor")
-    values = verdict.values("factor")
+    values = verdict.finding_values("factor")
     assert values["factor"] == pytest.approx(expected.factor, rel=1e-4)
     assert values["factor_name"] == "1/W" and values["step"] == 0
     assert verdict.first_divergence == 0
@@ -115,21 +129,21 @@ def test_planted_bugs_are_named_with_the_right_kind(planted_run):
         if exp.factor is not None:
             assert values["factor"] == pytest.approx(exp.factor, rel=1e-4)
         if exp.missing is not None:
-            assert tuple(values["missing_pieces"]) == exp.missing
+            assert tuple(tuple(p) for p in values["missing_pieces"]) == exp.missing
 
 
 def test_missing_contribution_weights_and_desync_ranks_are_data(planted_run):
     _, result = planted_run
-    zero_grad = result.verdict("zero_grad_in_loop W=2 k=4").values("missing_contribution")
+    zero_grad = result.verdict("zero_grad_in_loop W=2 k=4").finding_values("missing_contribution")
     # Only the last micro-batch of each rank survives, with its reference weight.
     assert zero_grad["piece_weights"] == pytest.approx([0, 0, 0, 1, 0, 0, 0, 1], abs=1e-4)
     assert zero_grad["residual_config"] < 1e-5 and zero_grad["residual_truth"] < 1e-12
     desync = result.verdict("no_allreduce W=2")
-    assert desync.values("desync")["rank_deviation"][1] > referee.BUG_MARGIN
-    assert desync.values("ranks_agree")["max_rank_distance"] > 0
+    assert desync.finding_values("desync")["rank_deviation"][1] > referee.BUG_MARGIN
+    assert desync.finding_values("ranks_agree")["max_rank_distance"] > 0
     assert not any(f.holds for f in desync.findings if f.key == "ranks_agree")
     # Rank 0 trained on its own share alone: rank 1's piece is missing, its own counts W times.
-    assert desync.values("desync")["piece_weights"] == pytest.approx([2, 0], abs=1e-4)
+    assert desync.finding_values("desync")["piece_weights"] == pytest.approx([2, 0], abs=1e-4)
 
 
 def test_a_comm_hook_configuration_is_compared_too(warm_launcher):
@@ -150,7 +164,7 @@ def test_verdicts_render_as_markdown_and_as_a_ddplab_verdict(planted_run):
     assert "| zero_grad_in_loop W=2 k=4 | **bug** |" in text
     verdict = result.verdict("no_allreduce W=2").to_verdict()
     assert verdict.kind == "bug" and verdict.finding("desync").holds
-    assert "rank 1" in verdict.finding("desync").claim
+    assert "rank(s) 1 hold" in verdict.finding("desync").claim_text
     assert not math.isnan(result.verdict("no_allreduce W=2").max_deviation)
 
 

@@ -29,7 +29,7 @@ def test_crash_and_hang_are_reported_and_the_others_still_publish(no_leftovers):
     crashed = result.verdict("crash_on_rank_1_at_step_1 W=2")
     assert crashed.kind == "crashed" and crashed.classification == "rounding"
     assert crashed.steps_completed == 1                   # step 0 finished and was compared
-    failure = crashed.values("completed")
+    failure = crashed.finding_values("completed")
     assert failure["failed_rank"] == 1 and "boom: the data loader ran dry" in failure["error"]
     assert "crash_on_rank_1_at_step_1" in crashed.error   # the remote traceback
     assert isinstance(result.errors["crash_on_rank_1_at_step_1 W=2"], launcher.RankFailed)

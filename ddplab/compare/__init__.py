@@ -25,8 +25,8 @@ from ddplab.compare.comparison import DEFAULT_TIMEOUT, Comparison, ReferenceFail
 from ddplab.compare.configurations import (DDP, FSDP2, Accumulate, Configuration, Custom, Fabric,
                                            StepContext)
 from ddplab.compare.setup import Setup, SetupError
-from ddplab.compare.verdicts import ConfigVerdict, Finding
+from ddplab.compare.verdicts import ConfigVerdict
 
 __all__ = ["run", "Comparison", "ReferenceFailed", "DEFAULT_TIMEOUT", "Setup", "SetupError",
            "Configuration", "DDP", "Accumulate", "Fabric", "FSDP2", "Custom", "StepContext",
-           "ConfigVerdict", "Finding", "examples", "figures"]
+           "ConfigVerdict", "examples", "figures"]

@@ -201,6 +201,28 @@ def _config_records(root: str, config: Configuration, run_id: str, steps: int, c
     return recs, ranks
 
 
+def _reduction_records(config: Configuration, ranks: list[list[dict]]) -> list[dict]:
+    """The referee's measure of every captured DDP bucket: its result against gloo's ring order
+    applied to the W ranks' contributions (bit for bit), per step; empty without captured buckets."""
+    from ddplab.numerics import error_records
+    from ddplab.numerics.orders import DDP_AVERAGING
+
+    out = []
+    steps = min(len(r) for r in ranks)
+    for step in range(steps):
+        if "buckets" not in ranks[0][step]:
+            return out
+        by_rank = [{b["index"]: b for b in ranks[r][step]["buckets"]} for r in range(config.world_size)]
+        for index, bucket in sorted(by_rank[0].items()):
+            if not all(index in other for other in by_rank):
+                continue
+            contributions = torch.stack([other[index]["local"] for other in by_rank])
+            out += error_records(bucket["result"], contributions, "gloo_ring", op="avg",
+                                 averaging=DDP_AVERAGING, step=step, rank=0, bucket=index,
+                                 config=config.label, params=bucket["params"], collective="allreduce")
+    return out
+
+
 def _status_record(config: Configuration, status: str, steps_done: int, error: BaseException | None) -> dict:
     labels = dict(config=config.label, status=status, **{k: v for k, v in config.describe().items()
                                                           if k != "config" and v is not None})
@@ -308,6 +330,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
                                                   facts["dtype"])
                     records += recs
                     done = len(ranks[0])
+                    records += _reduction_records(config, ranks)
                     records += _localization.localize(setup, config, caps, ranks, recs)
                 records.append(_status_record(config, status, done, error))
     finally:

@@ -245,7 +245,8 @@ def localize(setup: Setup, config: Configuration, caps: dict, ranks: list[list[d
                           factor_name=name_factor(weights["factor"], config.world_size, config.k, tol)))
     if weights["kind"] == "missing_contribution":
         extra["missing"] = ",".join(map(str, weights["missing"]))
-    out.append(record("localized", 1, finding=kind, quantity=quantity, tolerance=tol, **fit, **extra))
+    out.append(record("localized", 1, finding=kind, quantity=quantity, tolerance=tol,
+                      optimizer_steps=int(ranks[0][step].get("optimizer_steps", 1)), **fit, **extra))
     # A few hundred elements of the gradients, for the figure that shows the finding.
     missing_part = torch.zeros_like(g_truth)
     for j in weights["missing"]:

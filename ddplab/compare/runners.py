@@ -15,6 +15,14 @@ steps that finished. Each rank also emits ``loss``, ``grad_norm`` and
 ``optimizer_steps`` records, labelled ``config``, which stream back while
 it runs (progress).
 
+Where ddplab knows the reduction exactly, the ranks also keep what the
+collective saw. DDP (and Fabric's DDP) without a user comm hook reduces
+through :func:`_capture_hook`: DDP's own reduction (bitwise what DDP does
+without a hook) that also keeps each bucket's local contribution and result;
+the parent then checks the result against gloo's ring order bit for bit
+(:func:`ddplab.numerics.measure`). FSDP2's reduce-scatters are audited in the
+ranks by :func:`ddplab.fsdp.attach_audit`, whose records stream back.
+
 The reference runs (:func:`reference_worker`) train the whole global batch
 in one process: in the model's dtype (``reference``), in float64 (``truth``,
 the batches' floating tensors converted too), and for a mixed-precision
@@ -37,7 +45,7 @@ from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fab
 from ddplab.compare.setup import (Setup, SetupError, cast_batch, forward_loss, global_batches,
                                   model_digest, named_trainable, split)
 
-__all__ = ["RunSpec", "Capture", "capture_path", "load_capture", "reference_worker",
+__all__ = ["RunSpec", "Capture", "BucketCapture", "capture_path", "load_capture", "reference_worker",
            "configuration_worker", "reference_runs"]
 
 
@@ -63,21 +71,54 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().clone()
 
 
+class BucketCapture:
+    """State of :func:`_capture_hook`: the buckets of the current step, named by their parameters."""
+
+    def __init__(self, named: list):
+        self.names = {id(p): n for n, p in named}
+        self.buckets: list[dict] = []
+
+    def take(self) -> list[dict]:
+        out, self.buckets = self.buckets, []
+        return out
+
+
+def _capture_hook(state, bucket):
+    # No annotations: DDP compares them with dist.GradBucket as objects, and this
+    # module's are strings (from __future__ import annotations).
+    """DDP's own reduction (:func:`ddplab.comm_hooks.ddp_default_hook`, bitwise what DDP does
+    without a hook), keeping this rank's contribution and the reduced result of each bucket."""
+    from ddplab.comm_hooks import ddp_default_hook
+
+    local = bucket.buffer().detach().clone()  # before the in-place reduction
+    index = bucket.index()
+    params = ",".join(state.names.get(id(p), "?") for p in bucket.parameters())
+
+    def keep(fut: torch.futures.Future) -> torch.Tensor:
+        result = fut.value()
+        state.buckets.append(dict(index=index, params=params, local=local, result=result.detach().clone()))
+        return result
+
+    return ddp_default_hook(None, bucket).then(keep)
+
+
 class Capture:
     """Optimizer step hooks that record the gradients before and the parameters after ``step()``.
 
     ``named`` is the ``(name, parameter)`` list to capture (the names of the
-    unwrapped model). :meth:`finish` writes the step's file and emits its records.
+    unwrapped model); ``buckets``, a :class:`BucketCapture` whose buckets go
+    into the step's file too. :meth:`finish` writes the step's file and
+    emits its records.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
-                 label: str, rank: int):
+                 label: str, rank: int, buckets: BucketCapture | None = None):
         self.named = named
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
         self.grads: dict[str, torch.Tensor] | None = None
         self.params: dict[str, torch.Tensor] | None = None
         self.calls = 0
-        self.extra: dict[str, Any] = {}
+        self.buckets = buckets
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
@@ -95,7 +136,9 @@ class Capture:
             raise RuntimeError(f"{self.label}: optimizer.step() was not called in step {step}")
         grads = self.grads
         norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))) if grads else 0.0
-        data = dict(grads=grads, params=self.params, loss=loss, optimizer_steps=self.calls, **self.extra)
+        data = dict(grads=grads, params=self.params, loss=loss, optimizer_steps=self.calls)
+        if self.buckets is not None:
+            data["buckets"] = self.buckets.take()
         path = capture_path(self.root, self.run_id, step, self.rank)
         torch.save(data, path + ".tmp")
         os.replace(path + ".tmp", path)  # a capture that exists is complete
@@ -106,7 +149,6 @@ class Capture:
         _records.emit("optimizer_steps", self.calls, step=step, rank=self.rank, **labels)
         self.grads = self.params = None
         self.calls = 0
-        self.extra = {}
 
 
 def _loss_value(value) -> float | None:
@@ -212,6 +254,7 @@ class _Trainer:
     raw_optimizer: torch.optim.Optimizer
     backward: Callable
     no_sync: Callable[[], contextlib.AbstractContextManager]
+    buckets: BucketCapture | None = None
 
 
 def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
@@ -221,22 +264,27 @@ def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     if config.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = config.bucket_cap_mb
     model = DistributedDataParallel(raw, **kwargs)
+    buckets = None
     if config.comm_hook is not None:
         state = config.hook_state() if config.hook_state is not None else None
         model.register_comm_hook(state, config.comm_hook)
+    else:
+        buckets = BucketCapture(named_trainable(raw))
+        model.register_comm_hook(buckets, _capture_hook)
     optimizer = setup.optimizer(model.parameters())
-    return _Trainer(model, optimizer, optimizer, lambda loss: loss.backward(), model.no_sync)
+    return _Trainer(model, optimizer, optimizer, lambda loss: loss.backward(), model.no_sync, buckets)
 
 
 def _fabric(raw: torch.nn.Module, setup: Setup, config: Fabric) -> _Trainer:
-    # The one place that knows where ddplab's Fabric adapter lives.
-    from ddplab.cases.device_roundtrip import make_fabric
+    from ddplab.fabric import ddp_of, make_fabric
 
-    fabric = make_fabric(torch.device("cpu"))
+    fabric = make_fabric("cpu")
     optimizer = setup.optimizer(raw.parameters())
     model, wrapped = fabric.setup(raw, optimizer)
+    buckets = BucketCapture(named_trainable(raw))
+    ddp_of(model).register_comm_hook(buckets, _capture_hook)
     return _Trainer(model, wrapped, optimizer, fabric.backward,
-                    lambda: fabric.no_backward_sync(model, enabled=True))
+                    lambda: fabric.no_backward_sync(model, enabled=True), buckets)
 
 
 def _fsdp2(raw: torch.nn.Module, setup: Setup, config: FSDP2) -> _Trainer:
@@ -252,6 +300,9 @@ def _fsdp2(raw: torch.nn.Module, setup: Setup, config: FSDP2) -> _Trainer:
         if any(True for _ in module.parameters(recurse=False)):
             fully_shard(module, **kwargs)
     fully_shard(raw, **kwargs)
+    # Every reduce-scatter measured against gloo's ring, bit for bit; records labelled like ours.
+    from ddplab.fsdp import attach_audit
+    attach_audit(raw, labels={"config": config.label})
     optimizer = setup.optimizer(raw.parameters())
 
     @contextlib.contextmanager
@@ -320,7 +371,7 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
         raise ValueError(f"no runner for configuration {type(config).__name__}")
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
-                      rank=rank)
+                      rank=rank, buckets=trainer.buckets if trainer is not None else None)
     for step, batch in enumerate(batches):
         pieces = split(batch, world * config.k)
         micro = pieces[rank * config.k:(rank + 1) * config.k]

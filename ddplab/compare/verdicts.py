@@ -2,11 +2,12 @@
 
 :func:`judge` reads the tidy records of one configuration -- its
 ``steps_completed`` status row, the referee's ``deviation`` and ``band``
-rows, the localization's rows -- and returns a :class:`ConfigVerdict`:
-``kind`` ("rounding", "bug", "undetermined", or "crashed", "hung",
-"stopped", "not run", "unavailable" when it did not finish), findings with
-their numbers in ``values``, and a headline rendered from those numbers.
-Because it reads only records, a saved table gives the same verdict again.
+rows, the localization's rows, the reduction audit's rows -- and returns a
+:class:`ConfigVerdict`: ``kind`` ("rounding", "bug", "undetermined", or
+"crashed", "hung", "stopped", "not run", "unavailable" when it did not
+finish), :class:`ddplab.verdict.Finding` s with their numbers in ``values``,
+and a summary rendered from those numbers. Because it reads only records, a
+saved table gives the same verdict again.
 """
 from __future__ import annotations
 
@@ -14,23 +15,23 @@ import dataclasses
 import math
 
 from ddplab.compare import referee as _referee
-from ddplab.verdict import Finding as _BaseFinding
-from ddplab.verdict import Verdict
+from ddplab.formatting import render
+from ddplab.verdict import Finding, Verdict
 
-__all__ = ["Finding", "ConfigVerdict", "judge", "FAILED_STATUSES", "DEGENERATE_FRACTION"]
+__all__ = ["ConfigVerdict", "judge", "FAILED_STATUSES", "DEGENERATE_FRACTION", "SCOPE"]
 
 #: Run statuses that mean the configuration did not finish its steps.
 FAILED_STATUSES = ("crashed", "hung", "stopped")
 #: A band below this fraction of the unit roundoff means the reference reproduced the truth
 #: (exact arithmetic): its distance measures no rounding, so there is no band.
 DEGENERATE_FRACTION = 1e-3
-
-
-@dataclasses.dataclass
-class Finding(_BaseFinding):
-    """A :class:`ddplab.verdict.Finding` whose numbers are kept as data in ``values``."""
-
-    values: dict = dataclasses.field(default_factory=dict)
+#: What a comparison's verdict covers.
+SCOPE = ("covers every compared step's gradient at optimizer.step() and the parameters after it, "
+         "parameter by parameter, each judged by its distance from a float64 run of the same "
+         "training against the reference's own distance (forward, backward, reduction and update "
+         "together); the collectives themselves bit for bit where ddplab emulates them (DDP's "
+         "all-reduce and FSDP2's reduce-scatter on gloo); not steps after the last one compared, "
+         "nor effects outside the captured gradients and parameters (buffers, data loading)")
 
 
 @dataclasses.dataclass
@@ -43,12 +44,14 @@ class ConfigVerdict:
     referee found on the steps that did finish. ``finding`` is the kind of
     difference localized at the first divergence ("factor",
     "missing_contribution", "desync", "update", "semantic") or None.
+    ``summary`` is the headline's template, filled from ``values``.
     """
 
     config: str
     kind: str
     classification: str | None
-    headline: str
+    summary: str
+    values: dict
     findings: list[Finding]
     max_deviation: float | None = None
     first_divergence: int | None = None
@@ -56,17 +59,25 @@ class ConfigVerdict:
     steps_completed: int = 0
     error: str | None = None
 
-    def values(self, key: str) -> dict:
+    @property
+    def headline(self) -> str:
+        return render(self.summary, self.values)
+
+    def finding_values(self, key: str) -> dict:
         """The numbers of finding ``key``."""
+        return self._finding(key).values
+
+    def _finding(self, key: str) -> Finding:
         for f in self.findings:
             if f.key == key:
-                return f.values
+                return f
         raise KeyError(f"verdict of {self.config!r} has no finding {key!r}; it has {[f.key for f in self.findings]}")
 
-    def to_verdict(self) -> Verdict:
+    def to_verdict(self, case: str = "your_training") -> Verdict:
         """The same conclusion as a :class:`ddplab.verdict.Verdict` (reports, notebooks)."""
-        return Verdict(case="compare", kind=self.kind, headline=f"{self.config}: {self.headline}",
-                       findings=list(self.findings))
+        return Verdict(case=case, kind=self.kind, summary="{config}: " + self.summary,
+                       findings=list(self.findings), values={"config": self.config, **self.values},
+                       scope=SCOPE)
 
     def _repr_markdown_(self) -> str:
         return self.to_verdict().to_markdown()
@@ -88,11 +99,8 @@ def _label(row, key, default=None):
     return value
 
 
-def _fmt(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.3g}"
-
-
-def _pieces_text(missing: list[int], world: int, k: int) -> str:
+def pieces_text(missing: list[int], world: int, k: int) -> str:
+    """Pieces ``r*k + m`` in words: "rank 0's share", "micro-batches 0, 1 of every rank", ..."""
     pairs = [(j // k, j % k) for j in missing]
     ranks = sorted({r for r, _ in pairs})
     micros = sorted({m for _, m in pairs})
@@ -107,55 +115,78 @@ def _pieces_text(missing: list[int], world: int, k: int) -> str:
     return ", ".join(f"rank {r} micro-batch {m}" for r, m in pairs)
 
 
+_CLAIMS = {
+    "factor": "At step {step} every gradient is {factor} {factor_named}times the reference's: one constant factor",
+    "missing_contribution": ("At step {step} the gradient lacks the contribution of {missing_text}: the "
+                             "difference from the reference equals that gradient"),
+    "desync": ("The ranks disagree: rank(s) {desync_ranks} hold gradients or parameters other than rank "
+               "0's, up to {max_rank_deviation} × the band"),
+    "update": ("At step {step} the gradients agree with the reference within the band, the parameters "
+               "after optimizer.step() do not: the update differs ({optimizer_steps} optimizer.step() "
+               "call(s) on rank 0)"),
+    "semantic": ("At step {step} the gradient is not the reference's up to a factor or a missing "
+                 "contribution: a different computation"),
+}
+_TEMPLATE = ("fit on the {pieces} batch pieces at step {step}: weights relative to the truth's "
+             "{piece_weights}; residual {residual_config} (truth {residual_truth}), tolerance {tolerance}")
+
+
 def _localization(frame, config: str, world: int, k: int) -> Finding | None:
     rows = _rows(frame, "localized", config)
     if rows.empty:
         return None
     row = rows.iloc[0]
     kind, step = row["finding"], int(row["step"])
-    values = dict(step=step, quantity=_label(row, "quantity"), tolerance=float(_label(row, "tolerance", math.nan)))
+    values = dict(step=step, quantity=_label(row, "quantity"), tolerance=float(_label(row, "tolerance", math.nan)),
+                  factor=math.nan, factor_name=None, factor_named="", residual_config=math.nan,
+                  residual_truth=math.nan, optimizer_steps=int(_label(row, "optimizer_steps", 1)))
     factor_rows = _rows(frame, "fit_factor", config)
     if not factor_rows.empty:
         values["factor"] = float(factor_rows.iloc[0]["value"])
         values["factor_name"] = _label(factor_rows.iloc[0], "factor_name")
-    resid = _rows(frame, "fit_residual", config)
-    for _, r in resid.iterrows():
+        if values["factor_name"]:
+            values["factor_named"] = f"= {values['factor_name']} "
+    for _, r in _rows(frame, "fit_residual", config).iterrows():
         values[f"residual_{r['series']}"] = float(r["value"])
-    weights = _rows(frame, "piece_weight", config)
-    values["piece_weights"] = [float(v) for v in weights.sort_values("piece")["value"]]
+    weights = _rows(frame, "piece_weight", config).sort_values("piece")
+    values["piece_weights"] = [round(float(v), 6) for v in weights["value"]]
+    values["pieces"] = len(values["piece_weights"])
     missing = _label(row, "missing")
     values["missing"] = [int(j) for j in str(missing).split(",")] if missing not in (None, "") else []
-    values["missing_pieces"] = [(j // k, j % k) for j in values["missing"]]
+    values["missing_pieces"] = [[j // k, j % k] for j in values["missing"]]
+    values["missing_text"] = pieces_text(values["missing"], world, k) if values["missing"] else "none"
     desync = _rows(frame, "desync_deviation", config)
     values["rank_deviation"] = {int(r["rank"]): float(r["value"]) for _, r in desync.iterrows()}
-    if kind == "factor":
-        name = values.get("factor_name")
-        claim = (f"at step {step} every gradient is {_fmt(values['factor'])}"
-                 + (f" = {name}" if name else "") + " times the reference's (one constant factor)")
-    elif kind == "missing_contribution":
-        what = _pieces_text(values["missing"], world, k)
-        claim = (f"at step {step} the gradient lacks the contribution of {what}: the difference "
-                 f"from the reference equals that gradient")
-    elif kind == "desync":
-        ranks = [r for r, z in values["rank_deviation"].items() if z > _referee.ROUNDING_MARGIN]
-        claim = (f"the ranks disagree: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-                 f"hold{'' if len(ranks) > 1 else 's'} gradients or parameters different from rank 0's "
-                 f"(up to {_fmt(max(values['rank_deviation'].values()))}× the band)")
-    elif kind == "update":
-        claim = (f"at step {step} the gradients agree with the reference within the band but the "
-                 f"parameters after optimizer.step() do not: the update differs")
-    else:
-        claim = (f"at step {step} the gradient is not the reference's up to a factor or a missing "
-                 f"contribution: a different computation (residual "
-                 f"{_fmt(values.get('residual_config', math.nan))} of the fit on the batch pieces)")
-    return Finding(key=kind, claim=claim, holds=True, values=values,
-                   evidence=_evidence(values, ("factor", "residual_config", "residual_truth", "tolerance")))
+    beyond = [r for r, z in values["rank_deviation"].items() if z > _referee.ROUNDING_MARGIN]
+    values["desync_ranks"] = beyond or ["none"]
+    values["max_rank_deviation"] = max(values["rank_deviation"].values(), default=0.0)
+    return Finding(key=kind, claim=_CLAIMS[kind], holds=True, template=_TEMPLATE, values=values)
 
 
-def _evidence(values: dict, keys) -> str:
-    parts = [f"{k}={_fmt(values[k]) if isinstance(values[k], float) else values[k]}"
-             for k in keys if k in values and values[k] is not None]
-    return ", ".join(parts)
+def _reduction(frame, config: str) -> Finding | None:
+    """The reduction audit's rows (DDP buckets measured in the parent, FSDP2's audit in the ranks)."""
+    rows = _rows(frame, "frac_matches_order", config)
+    if rows.empty or "verdict" not in rows.columns:
+        return None
+    bad = rows[rows["verdict"] != "rounding"]
+    first = bad.sort_values(["step", "bucket"]).iloc[0] if not bad.empty else None
+    collectives = sorted({str(c) for c in rows.get("collective", rows["metric"]).dropna()} - {"frac_matches_order"})
+    values = dict(audited=len(rows), steps=int(rows["step"].nunique()),
+                  evidence=sorted({str(e) for e in rows["evidence"].dropna()}),
+                  collective=collectives or ["allreduce"],
+                  order=sorted({str(o) for o in rows["order"].dropna()}),
+                  min_match=float(rows["value"].min()),
+                  not_rounding=len(bad),
+                  first_not_rounding_step=int(first["step"]) if first is not None else -1,
+                  first_not_rounding_params=str(_label(first, "params", "")) if first is not None else "")
+    return Finding(
+        key="reduction",
+        claim=("Every {collective} of the ranks' gradients is rounding: what {order} gives for the same "
+               "contributions"),
+        holds=bad.empty,
+        template=("{audited} reductions audited over {steps} steps (evidence: {evidence}); smallest "
+                  "fraction of elements equal to the order's bits {min_match}; not rounding: {not_rounding}"),
+        values=values)
 
 
 # --------------------------------------------------------------------------- the rule
@@ -169,87 +200,88 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     srow = status_rows.iloc[0]
     status, done = srow["status"], int(srow["value"])
     world, k = int(_label(srow, "world_size", 1)), int(_label(srow, "k", 1))
-    error_text = _label(srow, "error")
-    if error is not None:
-        error_text = str(error)
+    error_text = str(error) if error is not None else _label(srow, "error")
+    failure = dict(status=status, steps_completed=done, failed_rank=_label(srow, "failed_rank", -1),
+                   error=_label(srow, "error", ""))
     findings: list[Finding] = []
     if status != "completed":
-        findings.append(Finding(
-            key="completed", claim=f"the configuration ran every step ({status} after {done})", holds=False,
-            values=dict(status=status, steps_completed=done, failed_rank=_label(srow, "failed_rank"),
-                        error=_label(srow, "error")),
-            evidence=str(_label(srow, "error", status))))
+        findings.append(Finding(key="completed", claim="The configuration ran every step", holds=False,
+                                template="{status} after {steps_completed} step(s), rank {failed_rank}: {error}",
+                                values=failure))
     dev = _rows(frame, "deviation", config)
     dev = dev[dev["rank"] == 0] if not dev.empty else dev
     if dev.empty:
         kind = status if status != "completed" else "undetermined"
-        headline = {"not run": "not run (the comparison was stopped before it)",
-                    "unavailable": f"not run: {error_text}"}.get(
-            status, f"{status} before its first step was captured" + (f": {error_text.splitlines()[0]}"
-                                                                      if error_text else ""))
-        return ConfigVerdict(config, kind, None, headline, findings, steps_completed=done, error=error_text)
+        summary = {"not run": "not run: the comparison was stopped before it",
+                   "unavailable": "not run: {error}"}.get(
+            status, "{status} before its first step was captured (rank {failed_rank}): {error}")
+        return ConfigVerdict(config, kind, None, summary, failure, findings, steps_completed=done,
+                             error=error_text)
+    degenerate = set()
     bands = _rows(frame, "band", config)
-    degenerate_steps = set()
     for _, b in bands[bands["param"] == _referee.MODEL].iterrows():
-        unit = _label(b, "unit_roundoff", 0.0)
-        if b["value"] < DEGENERATE_FRACTION * unit:
-            degenerate_steps.add((int(b["step"]), b["quantity"]))
-    keyed = dev.assign(_degenerate=[(int(s), q) in degenerate_steps for s, q in zip(dev["step"], dev["quantity"])])
-    sound = keyed[~keyed["_degenerate"]]
-    worst = keyed.loc[keyed["value"].idxmax()]
+        if b["value"] < DEGENERATE_FRACTION * float(_label(b, "unit_roundoff", 0.0)):
+            degenerate.add((int(b["step"]), b["quantity"]))
+    is_degenerate = [(int(s), q) in degenerate for s, q in zip(dev["step"], dev["quantity"])]
+    sound = dev[[not d for d in is_degenerate]]
+    worst = dev.loc[dev["value"].idxmax()]
     max_dev = float(worst["value"])
     sound_max = float(sound["value"].max()) if not sound.empty else 0.0
     classification = _referee.classify_deviation(sound_max)
-    beyond_only_degenerate = max_dev > _referee.ROUNDING_MARGIN and sound_max <= _referee.ROUNDING_MARGIN
-    if beyond_only_degenerate:
+    only_degenerate = max_dev > _referee.ROUNDING_MARGIN >= sound_max
+    if only_degenerate:
         classification = "undetermined"
-    within = Finding(
+    where = (f"the gradient of {worst['param']}" if worst["quantity"] == "grad"
+             else f"{worst['param']} after the update")
+    values = dict(max_deviation=max_dev, step=int(worst["step"]), param=str(worst["param"]),
+                  quantity=str(worst["quantity"]), where=where, rounding_margin=_referee.ROUNDING_MARGIN,
+                  bug_margin=_referee.BUG_MARGIN, steps_compared=int(dev["step"].max()) + 1,
+                  degenerate_steps=len(degenerate))
+    findings.insert(0, Finding(
         key="within_band",
-        claim=(f"every gradient and parameter stays within {_fmt(_referee.ROUNDING_MARGIN)}× the "
-               f"reference's own distance from the float64 truth"),
+        claim=("Every gradient and parameter stays within {rounding_margin} × the reference's own "
+               "distance from the float64 truth"),
         holds=max_dev <= _referee.ROUNDING_MARGIN,
-        values=dict(max_deviation=max_dev, step=int(worst["step"]), param=worst["param"],
-                    quantity=worst["quantity"], rounding_margin=_referee.ROUNDING_MARGIN,
-                    bug_margin=_referee.BUG_MARGIN, steps_compared=int(dev["step"].max()) + 1,
-                    degenerate_steps=sorted(degenerate_steps)),
-        evidence=(f"max deviation {_fmt(max_dev)}× the band at step {int(worst['step'])}, "
-                  f"{worst['quantity']} of {worst['param']}"))
-    findings.insert(0, within)
+        template=("largest deviation {max_deviation} × the band at step {step}, {where}, "
+                  "over {steps_compared} step(s)"),
+        values=values))
     first_rows = _rows(frame, "first_divergence", config)
     first = int(first_rows.iloc[0]["value"]) if not first_rows.empty else None
     local = _localization(frame, config, world, k)
     if local is not None:
         findings.append(local)
+    reduction = _reduction(frame, config)
+    if reduction is not None:
+        findings.append(reduction)
     ranks = _rows(frame, "rank_distance", config)
     if not ranks.empty:
         model_rows = ranks[ranks["param"] == _referee.MODEL]
-        equal = bool(model_rows["bitwise_equal"].astype(bool).all())
         findings.append(Finding(
-            key="ranks_agree", claim="every rank holds bitwise the same gradients and parameters",
-            holds=equal, values=dict(max_rank_distance=float(model_rows["value"].max())),
-            evidence=f"largest relative distance from rank 0: {_fmt(float(model_rows['value'].max()))}"))
-    kind = status if status != "completed" else classification
-    headline = _headline(classification, max_dev, first, local, beyond_only_degenerate)
+            key="ranks_agree", claim="Every rank holds bitwise the same gradients and parameters",
+            holds=bool(model_rows["bitwise_equal"].astype(bool).all()),
+            template="largest relative distance from rank 0: {max_rank_distance}",
+            values=dict(max_rank_distance=float(model_rows["value"].max()))))
+    values.update(first_divergence=-1 if first is None else first,
+                  finding=local.key if local else "none",
+                  finding_text=("; " + local.claim_text[0].lower() + local.claim_text[1:]) if local else "")
+    summary = _summary(classification, only_degenerate, first is not None)
     if status != "completed":
-        headline = f"{status} after {done} step{'s' if done != 1 else ''}" + \
-            (f" (rank {_label(srow, 'failed_rank')})" if _label(srow, "failed_rank") is not None else "") + \
-            f"; on those steps: {headline}"
-    return ConfigVerdict(config, kind, classification, headline, findings, max_deviation=max_dev,
-                         first_divergence=first, finding=local.key if local else None,
-                         steps_completed=done, error=error_text)
+        values.update(failure)
+        summary = "{status} after {steps_completed} step(s) (rank {failed_rank}); on those steps: " + summary
+    return ConfigVerdict(config, status if status != "completed" else classification, classification,
+                         summary, values, findings, max_deviation=max_dev, first_divergence=first,
+                         finding=local.key if local else None, steps_completed=done, error=error_text)
 
 
-def _headline(classification: str, max_dev: float, first: int | None, local: Finding | None,
-              degenerate: bool) -> str:
+def _summary(classification: str, degenerate: bool, diverged: bool) -> str:
     if classification == "rounding":
-        return (f"rounding: at most {_fmt(max_dev)}× the reference's own rounding distance "
-                f"(margin {_fmt(_referee.ROUNDING_MARGIN)})")
+        return ("rounding: at most {max_deviation} × the reference's own rounding distance "
+                "(margin {rounding_margin})")
     if degenerate:
         return ("undetermined: the reference reproduces the float64 truth to within a rounding, "
                 "so its distance gives no band to judge by")
-    where = f" from step {first}" if first is not None else ""
-    what = f"; {local.claim}" if local is not None else ""
+    where = " from step {first_divergence}" if diverged else ""
     if classification == "bug":
-        return f"bug: {_fmt(max_dev)}× the rounding band{where}{what}"
-    return (f"undetermined: {_fmt(max_dev)}× the rounding band{where} -- beyond every correct run "
-            f"measured, not by orders of magnitude{what}")
+        return "bug: {max_deviation} × the rounding band" + where + "{finding_text}"
+    return ("undetermined: {max_deviation} × the rounding band" + where + ", beyond every correct run "
+            "measured but not by orders of magnitude{finding_text}")

@@ -125,7 +125,7 @@ def test_planted_bugs_are_named_with_the_right_kind(planted_run):
         assert verdict.kind == exp.verdict, (label, verdict.headline)
         assert verdict.finding == exp.finding, (label, verdict.headline)
         assert verdict.first_divergence == 0
-        values = verdict.values(exp.finding)
+        values = verdict.finding_values(exp.finding)
         if exp.factor is not None:
             assert values["factor"] == pytest.approx(exp.factor, rel=1e-4)
         if exp.missing is not None:

@@ -32,7 +32,7 @@ from ddplab.compare.configurations import Configuration, Fabric, FSDP2, check_co
 from ddplab.compare.runners import (RunSpec, configuration_worker, load_capture, reference_runs,
                                     reference_worker)
 from ddplab.compare.setup import Setup, SetupError, check_setup
-from ddplab.compare.verdicts import ConfigVerdict, judge
+from ddplab.compare.verdicts import ConfigVerdict, comparison_verdict, judge, verdicts_markdown
 from ddplab.numerics import unit_roundoff
 
 __all__ = ["Comparison", "ReferenceFailed", "run", "DEFAULT_TIMEOUT"]
@@ -71,15 +71,14 @@ class Comparison:
         return {label: v.kind for label, v in self.verdicts.items()}
 
     def to_markdown(self) -> str:
-        rows = ["| configuration | verdict | max deviation | first divergence | finding |",
-                "|---|---|---|---|---|"]
-        for v in self.verdicts.values():
-            first = "" if v.first_divergence is None else f"step {v.first_divergence}"
-            dev = "" if v.max_deviation is None else f"{v.max_deviation:.3g}"
-            rows.append(f"| {v.config} | **{v.kind}** | {dev} | {first} | {v.headline} |")
         head = (f"**{self.setup_name}**, {self.steps} steps, against the single-process reference "
                 f"and its float64 truth" + (" (stopped)" if self.stopped else ""))
-        return head + "\n\n" + "\n".join(rows) + "\n"
+        return head + "\n\n" + verdicts_markdown(self.records)
+
+    def to_verdict(self, case: str = "your_training"):
+        """The whole comparison as one :class:`ddplab.verdict.Verdict` (see
+        :func:`~ddplab.compare.verdicts.comparison_verdict`)."""
+        return comparison_verdict(self.records, case=case)
 
     def _repr_markdown_(self) -> str:
         return self.to_markdown()

@@ -39,7 +39,7 @@ from ddplab.compare.configurations import (DDP, FSDP2, Accumulate, Configuration
 from ddplab.compare.setup import Setup
 
 __all__ = ["MODELS", "OPTIMIZERS", "Example", "Expected", "digits_setup", "correct", "planted", "planted_example",
-           "PLANTED", "accumulate_correctly", "accumulate_without_division", "zero_grad_in_loop",
+           "PLANTED", "summed_loss_setup", "planted_configurations", "accumulate_correctly", "accumulate_without_division", "zero_grad_in_loop",
            "average_by_hand_skipping_own", "no_allreduce"]
 
 #: Networks :func:`digits_setup` builds.
@@ -290,6 +290,18 @@ def planted_example(name: str, seed: int = 0, *, world_size: int = 2, k: int = 4
     if name not in PLANTED:
         raise ValueError(f"unknown planted example {name!r}; known: {', '.join(PLANTED)}")
     return PLANTED[name](seed, world_size, k, steps, model)
+
+
+def summed_loss_setup() -> Setup:
+    """The digits setup with the planted summed loss (for ``-p setup ddplab.compare.examples:summed_loss_setup``)."""
+    return digits_setup(reduction="sum")
+
+
+def planted_configurations(world_size: int = 2, k: int = 4) -> list[Configuration]:
+    """Every planted training-step bug as a configuration of the correct digits setup
+    (for ``-p configurations "[ddp, ddplab.compare.examples:planted_configurations]"``)."""
+    return [c for name in PLANTED if name != "summed_loss"
+            for c in planted_example(name, world_size=world_size, k=k).configurations]
 
 
 def planted(seed: int = 0, **kwargs) -> list[Example]:

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from ddplab.compare import referee as _referee
-from ddplab.plots import theme
+from ddplab.plots import own_axes, theme
 from ddplab.records import where
 
 __all__ = ["loss_curves", "grad_norms", "deviation_over_steps", "deviation_heatmap", "finding_figure",
@@ -31,12 +31,6 @@ __all__ = ["loss_curves", "grad_norms", "deviation_over_steps", "deviation_heatm
 #: How the single-process runs are drawn: black, the truth dashed.
 REFERENCE_RUNS = {"reference": dict(color="black", lw=2.2, ls="-"),
                   "truth": dict(color="0.35", lw=1.6, ls="--")}
-
-
-def _axes(ax, figsize=(6.4, 3.6)):
-    if ax is None:
-        fig, ax = plt.subplots(figsize=figsize)
-    return ax.figure, ax
 
 
 def _steps_axis(ax) -> None:
@@ -83,7 +77,7 @@ def loss_curves(records, ax=None):
     """
     table = _per_step(records, "loss", "mean")
     with theme():
-        fig, ax = _axes(ax)
+        fig, ax = own_axes(ax)
         for label in _order(table.index.get_level_values(0)):
             series = table.loc[label]
             ax.plot(series.index.astype(int), series.values, label=label, **_style(label))
@@ -100,7 +94,7 @@ def grad_norms(records, ax=None):
     rows = rows[rows["rank"] == 0]
     table = rows.groupby(["config", "step"], sort=False)["value"].first()
     with theme():
-        fig, ax = _axes(ax)
+        fig, ax = own_axes(ax)
         for label in _order(table.index.get_level_values(0)):
             series = table.loc[label]
             ax.plot(series.index.astype(int), series.values, label=label, **_style(label))
@@ -122,7 +116,7 @@ def deviation_over_steps(records, ax=None):
     rows = rows[(rows["rank"] == 0) & rows["config"].isin(_configs(records))]
     table = rows.groupby(["config", "step"], sort=False)["value"].max()
     with theme():
-        fig, ax = _axes(ax)
+        fig, ax = own_axes(ax)
         floor = 1e-2
         for label in _order(table.index.get_level_values(0)):
             series = table.loc[label].clip(lower=floor)
@@ -152,7 +146,7 @@ def deviation_heatmap(records, config: str, ax=None, *, quantity: str = "grad"):
     table = rows.pivot_table(index="param", columns="step", values="value", aggfunc="max").reindex(params)
     values = np.log10(table.to_numpy(dtype=float).clip(1e-2, 1e12))
     with theme():
-        fig, ax = _axes(ax, figsize=(min(12, 3 + 0.5 * table.shape[1]), 1.4 + 0.3 * table.shape[0]))
+        fig, ax = own_axes(ax, figsize=(min(12, 3 + 0.5 * table.shape[1]), 1.4 + 0.3 * table.shape[0]))
         vmax = max(math.log10(_referee.BUG_MARGIN) + 1, float(np.nanmax(values)))
         ax.grid(False)
         image = ax.imshow(values, aspect="auto", cmap="magma_r", vmin=-1, vmax=vmax, interpolation="nearest")
@@ -193,7 +187,7 @@ def finding_figure(records, config: str, ax=None):
     factor_rows = where(records, "fit_factor", config=config)
     kind, step = found["finding"], int(found["step"])
     with theme():
-        fig, ax = _axes(ax, figsize=(4.8, 4.2))
+        fig, ax = own_axes(ax, figsize=(4.8, 4.2))
         if kind == "missing_contribution":
             x, y = missing, cfg - ref
             ax.scatter(x, y, s=8, alpha=0.7)

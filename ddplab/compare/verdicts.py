@@ -18,7 +18,7 @@ from ddplab.compare import referee as _referee
 from ddplab.formatting import render
 from ddplab.verdict import Finding, Verdict
 
-__all__ = ["ConfigVerdict", "judge", "FAILED_STATUSES", "DEGENERATE_FRACTION", "SCOPE"]
+__all__ = ["ConfigVerdict", "judge", "comparison_verdict", "configurations_in", "verdicts_markdown", "FAILED_STATUSES", "DEGENERATE_FRACTION", "SCOPE"]
 
 #: Run statuses that mean the configuration did not finish its steps.
 FAILED_STATUSES = ("crashed", "hung", "stopped")
@@ -156,10 +156,11 @@ def _localization(frame, config: str, world: int, k: int) -> Finding | None:
     values["missing_pieces"] = [[j // k, j % k] for j in values["missing"]]
     values["missing_text"] = pieces_text(values["missing"], world, k) if values["missing"] else "none"
     desync = _rows(frame, "desync_deviation", config)
-    values["rank_deviation"] = {int(r["rank"]): float(r["value"]) for _, r in desync.iterrows()}
-    beyond = [r for r, z in values["rank_deviation"].items() if z > _referee.ROUNDING_MARGIN]
+    # [rank, deviation] pairs, not a dict: JSON would turn integer keys into strings.
+    values["rank_deviation"] = sorted([int(r["rank"]), float(r["value"])] for _, r in desync.iterrows())
+    beyond = [r for r, z in values["rank_deviation"] if z > _referee.ROUNDING_MARGIN]
     values["desync_ranks"] = beyond or ["none"]
-    values["max_rank_deviation"] = max(values["rank_deviation"].values(), default=0.0)
+    values["max_rank_deviation"] = max((z for _, z in values["rank_deviation"]), default=0.0)
     return Finding(key=kind, claim=_CLAIMS[kind], holds=True, template=_TEMPLATE, values=values)
 
 
@@ -285,3 +286,75 @@ def _summary(classification: str, degenerate: bool, diverged: bool) -> str:
         return "bug: {max_deviation} × the rounding band" + where + "{finding_text}"
     return ("undetermined: {max_deviation} × the rounding band" + where + ", beyond every correct run "
             "measured but not by orders of magnitude{finding_text}")
+
+
+# --------------------------------------------------------------------------- the whole comparison
+
+
+def configurations_in(frame) -> list[str]:
+    """The compared configurations, in the order they ran (their ``steps_completed`` rows)."""
+    rows = frame[frame["metric"] == "steps_completed"] if "metric" in frame.columns else frame.iloc[0:0]
+    return list(dict.fromkeys(rows["config"])) if not rows.empty else []
+
+
+def verdicts_markdown(frame) -> str:
+    """One table row per configuration: verdict, largest deviation, first divergence, finding, headline."""
+    from ddplab.formatting import fmt
+
+    rows = ["| configuration | verdict | max deviation (× band) | first divergence | finding | summary |",
+            "|---|---|---|---|---|---|"]
+    for label in configurations_in(frame):
+        v = judge(frame, label)
+        first = "" if v.first_divergence is None else f"step {v.first_divergence}"
+        dev = "" if v.max_deviation is None else fmt(v.max_deviation)
+        rows.append(f"| {label} | **{v.kind}** | {dev} | {first} | {v.finding or ''} | "
+                    f"{v.headline.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+def comparison_verdict(frame, *, case: str = "your_training") -> Verdict:
+    """One :class:`ddplab.verdict.Verdict` for every configuration of a comparison's records.
+
+    Kind: "bug" when some configuration is a bug (on the steps it finished),
+    "rounding" when every configuration ran every step and is rounding,
+    "undetermined" otherwise. One finding per configuration (key: its name;
+    holds when it is rounding, None when the referee could not say), with
+    its verdict's numbers as values.
+    """
+    labels = configurations_in(frame)
+    if not labels:
+        raise ValueError("no compared configuration in these records")
+    verdicts = [judge(frame, label) for label in labels]
+    kinds = [v.kind for v in verdicts]
+    classes = [v.classification for v in verdicts]
+    if "bug" in classes:
+        kind = "bug"
+    elif all(k == "rounding" for k in kinds):
+        kind = "rounding"
+    else:
+        kind = "undetermined"
+    findings = []
+    for v in verdicts:
+        values = {k: val for k, val in v.values.items() if not isinstance(val, dict)}
+        values.update(config=v.config, verdict=v.kind, headline=v.headline,
+                      finding=v.finding or "none", steps_completed=v.steps_completed)
+        holds = {"rounding": True, "bug": False}.get(v.classification) if v.classification else None
+        if v.kind in ("not run", "unavailable"):
+            holds = None
+        findings.append(Finding(key=v.config, claim="{config} differs from the single-process reference "
+                                "by rounding only", holds=holds, template="{headline}",
+                                values=values))
+    deviations = [v.max_deviation for v in verdicts if v.max_deviation is not None]
+    values = dict(total=len(verdicts), n_rounding=kinds.count("rounding"), n_bug=classes.count("bug"),
+                  n_other=len(verdicts) - kinds.count("rounding") - classes.count("bug"),
+                  bugs=[v.config for v in verdicts if v.classification == "bug"] or ["none"],
+                  others=[f"{v.config} ({v.kind})" for v in verdicts
+                          if v.kind != "rounding" and v.classification != "bug"] or ["none"],
+                  max_deviation=max(deviations) if deviations else math.nan,
+                  rounding_margin=_referee.ROUNDING_MARGIN, bug_margin=_referee.BUG_MARGIN)
+    summary = ("{n_rounding} of {total} configurations differ from the single-process reference by "
+               "rounding only; bugs: {bugs}; neither: {others}")
+    return Verdict(case=case, kind=kind, summary=summary, findings=findings, values=values, scope=SCOPE,
+                   key_numbers={"configurations": "total", "rounding": "n_rounding", "bugs": "n_bug",
+                                "largest deviation (× band)": "max_deviation",
+                                "rounding margin": "rounding_margin"})

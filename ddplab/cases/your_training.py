@@ -163,8 +163,7 @@ class YourTraining(Case):
                   kind="list[str]", check=lambda names: next(filter(None, map(_configuration_entry, names)), None)),
         Parameter("world_size", 2, "ranks of the built-in configurations", kind="int", minimum=1, maximum=8),
         Parameter("k", 4, "micro-batches per rank of 'accumulate'", kind="int", minimum=2, maximum=64),
-        Parameter("steps", None, "steps to compare (None: every batch of the setup)", kind="int",
-                  minimum=1, nullable=True),
+        Parameter("steps", 0, "steps to compare (0: every batch of the setup)", kind="int", minimum=0),
         Parameter("timeout", 300.0, "seconds a launch may take before it counts as hung", kind="float",
                   minimum=1),
     ])
@@ -181,7 +180,7 @@ class YourTraining(Case):
         setup = resolve_setup(params["setup"])
         configs = resolve_configurations(params)
         try:
-            check_setup(setup, steps=params["steps"], divisors={c.label: c.pieces for c in configs})
+            check_setup(setup, steps=params["steps"] or None, divisors={c.label: c.pieces for c in configs})
         except ValueError as exc:
             raise ValueError(f"parameter 'setup': {exc}") from None
 
@@ -215,7 +214,7 @@ class YourTraining(Case):
 
         params = self.check_params(params)
         result = compare.run(resolve_setup(params["setup"]), resolve_configurations(params),
-                             steps=params["steps"], timeout=params["timeout"], progress=progress)
+                             steps=params["steps"] or None, timeout=params["timeout"], progress=progress)
         if result.stopped:
             rows = result.records.astype(object).where(result.records.notna(), None).to_dict("records")
             partial = LaunchResult(world_size=1, backend="gloo", returns=[], stdout=[], stderr=[],

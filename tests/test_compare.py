@@ -15,9 +15,18 @@ from ddplab.compare.verdicts import judge
 STEPS = 3
 
 
+HOOKED = "ddp W=2 audited"
+
+
 @pytest.fixture(scope="module")
 def correct_run(warm_launcher):
+    """The correct example under every built-in configuration, and DDP with a user comm hook."""
+    from ddplab.comm_hooks import AuditState, audit_hook
+
     example = examples.correct(0, steps=STEPS)
+    example.configurations.append(compare.DDP(2, comm_hook=audit_hook, hook_state=AuditState,
+                                              bucket_cap_mb=0.001, name=HOOKED))
+    example.expected[HOOKED] = examples.Expected("rounding")
     return example, compare.run(example.setup, example.configurations, progress=False)
 
 
@@ -116,6 +125,15 @@ def test_summed_loss_is_a_factor_of_one_over_w():
     assert verdict.first_divergence == 0
     assert verdict.max_deviation >= referee.BUG_MARGIN
     assert "0.5 = 1/W" in verdict.headline
+    # The finding's figure draws the fitted factor.
+    import matplotlib.pyplot as plt
+
+    from ddplab.compare import figures
+    ax = figures.finding_figure(result.records, label).axes[0]
+    (x0, x1), (y0, y1) = ax.lines[0].get_data()
+    assert (y1 - y0) / (x1 - x0) == pytest.approx(0.5, rel=1e-4)
+    assert "1/W" in ax.get_legend().get_texts()[0].get_text()
+    plt.close("all")
 
 
 def test_planted_bugs_are_named_with_the_right_kind(planted_run):
@@ -146,16 +164,17 @@ def test_missing_contribution_weights_and_desync_ranks_are_data(planted_run):
     assert desync.finding_values("desync")["piece_weights"] == pytest.approx([2, 0], abs=1e-4)
 
 
-def test_a_comm_hook_configuration_is_compared_too(warm_launcher):
-    from ddplab.comm_hooks import AuditState, audit_hook
-
-    setup = examples.digits_setup(1, steps=2)
-    result = compare.run(setup, [compare.DDP(2, comm_hook=audit_hook, hook_state=AuditState,
-                                             bucket_cap_mb=0.001)], progress=False)
-    verdict, = result.verdicts.values()
+def test_a_comm_hook_configuration_is_compared_too(correct_run):
+    _, result = correct_run
+    verdict = result.verdict(HOOKED)
     assert verdict.kind == "rounding"
-    # The hook's own records stream back with the comparison's.
-    assert (result.records["metric"] == "matches_order").any()
+    # The hook's own records stream back labelled with the configuration, and its audit of
+    # every bucket (many small ones here) becomes the reduction finding.
+    frame = result.records
+    audit = frame[(frame["metric"] == "matches_order") & (frame["config"] == HOOKED)]
+    assert set(audit["hook"]) == {"audit"} and audit["bucket"].nunique() > 1
+    reduction = verdict._finding("reduction")
+    assert reduction.holds and reduction.values["evidence"] == ["bitwise"]
 
 
 def test_verdicts_render_as_markdown_and_as_a_ddplab_verdict(planted_run):
@@ -177,3 +196,29 @@ def test_the_readme_example_runs_in_a_few_lines(warm_launcher):
                           loss=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     result = compare.run(setup, [compare.DDP(2), compare.Accumulate(2, k=2)], progress=False)
     assert result.kinds == {"ddp W=2": "rounding", "accumulate W=2 k=2": "rounding"}
+
+
+def test_figures_draw_from_the_records_on_a_given_ax(correct_run, planted_run):
+    import matplotlib.pyplot as plt
+
+    from ddplab.compare import figures
+
+    _, correct = correct_run
+    _, planted = planted_run
+    for fn in (figures.loss_curves, figures.grad_norms, figures.deviation_over_steps):
+        fig, ax = plt.subplots()
+        assert fn(correct.records, ax=ax) is fig and ax.lines
+        plt.close(fig)
+    legend = [t.get_text() for t in figures.loss_curves(correct.records).axes[0].get_legend().get_texts()]
+    assert legend[:3] == ["truth", "reference", "reference bfloat16"] and "fsdp2 W=2 bfloat16" in legend
+    heat = figures.deviation_heatmap(planted.records, "zero_grad_in_loop W=2 k=4")
+    boxes = [p for p in heat.axes[0].patches if p.get_edgecolor()[:3] == (1.0, 0.0, 0.0)]
+    assert len(boxes) == 1 and boxes[0].get_x() == -0.5        # the first divergence, at step 0
+    missing = figures.finding_figure(planted.records, "zero_grad_in_loop W=2 k=4").axes[0]
+    (x0, x1), (y0, y1) = missing.lines[0].get_data()
+    assert (y1 - y0) / (x1 - x0) == pytest.approx(-1.0)       # difference = −(missing gradient)
+    assert len(figures.figures(planted.records)) == 3 + 2 * 4   # a heatmap and a finding per bug
+    with pytest.raises(ValueError, match="no 'localized' records"):
+        figures.finding_figure(correct.records, "ddp W=2")
+    plt.close("all")
+

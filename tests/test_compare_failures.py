@@ -23,7 +23,7 @@ def hang_on_rank_1_at_step_1(ctx):
 def test_crash_and_hang_are_reported_and_the_others_still_publish(no_leftovers):
     setup = examples.digits_setup(0, steps=3)
     configs = [compare.Custom(2, train_step=crash_on_rank_1_at_step_1),
-               compare.Custom(2, train_step=hang_on_rank_1_at_step_1, timeout=20),
+               compare.Custom(2, train_step=hang_on_rank_1_at_step_1, timeout=10),
                compare.DDP(2)]
     result = compare.run(setup, configs, progress=False)
     crashed = result.verdict("crash_on_rank_1_at_step_1 W=2")

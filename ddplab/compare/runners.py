@@ -349,6 +349,8 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
     rank's model does not start from the reference's initial weights.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Every record of this launch -- a user comm hook's too -- names the configuration.
+    _records.set_labels(config=config.label)
     batches = global_batches(setup, steps)
     raw = setup.build_model()
     if model_digest(raw) != digest:

@@ -12,9 +12,11 @@ Configurations are interleaved: each round runs a block of ``--steps``
 optimizer steps of every configuration in turn (a barrier before and after
 each block), so machine noise hits all of them alike. Each block of
 ``audit_10`` holds exactly one audited step when ``--steps`` is a multiple of
-10. Rank 0 prints the median time per step and the median over rounds of the
-per-round ratio against ``plain`` (and ``reproducible`` against ``default``).
-Asserts nothing: colleagues share the machine and timings are noisy.
+10. Rank 0 prints the median time per step and, through ``_common``'s table,
+the median over rounds of the per-round ratio against ``plain`` (and
+``reproducible`` against ``default``), the ratio of best blocks and the load
+average while it ran. Asserts nothing: colleagues share the machine and
+timings are noisy.
 
 Targets (issue "Instrumentation"): audit every step <= 1.5x plain, every 10th
 step <= 1.05x, reproducible <= 3x the default hook.
@@ -24,11 +26,13 @@ step <= 1.05x, reproducible <= 3x the default hook.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from _common import Ratio, machine_line, ratio_table
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddplab import comm_hooks as ch
@@ -80,12 +84,14 @@ def bench_worker(rounds: int, steps: int, batch: int) -> dict:
     for config in CONFIGS:  # warm-up: imports, numba's cache, DDP's bucket rebuild
         block(config, steps)
     times = {c: [] for c in CONFIGS}
+    loads = []
     for r in range(rounds):
         # Rotate the starting configuration so none is always first after a barrier.
         order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
         for config in order:
             times[config].append(block(config, steps))
-    return {"times": times, "params": sum(p.numel() for p in models["plain"].parameters()),
+        loads.append(os.getloadavg()[0])
+    return {"times": times, "loads": loads, "params": sum(p.numel() for p in models["plain"].parameters()),
             "threads": torch.get_num_threads()}
 
 
@@ -99,6 +105,7 @@ def main() -> None:
     if args.steps % 10:
         parser.error("--steps must be a multiple of 10 (one audited step per audit_10 block)")
 
+    print(machine_line())
     res = launch(bench_worker, world_size=args.world_size, args=(args.rounds, args.steps, args.batch),
                  timeout=1800)
     out = res.returns[0]
@@ -110,21 +117,12 @@ def main() -> None:
         med = statistics.median(times[config])
         print(f"{config:<14}{med * 1e3:>16.2f}{min(times[config]) * 1e3:>8.2f}{1 / med:>10.1f}")
     print()
-    # Two estimates: the median of the per-round ratios, and the ratio of the
-    # best blocks (interference from other processes only ever adds time).
-    print(f"{'ratio':<26}{'median':>8}{'min':>8}{'max':>8}{'best/best':>10}{'target':>8}  verdict")
-    pairs = list(TARGETS.items()) + [(("default", "plain"), None)]
-    for (a, b), target in pairs:
-        ratios = [ta / tb for ta, tb in zip(times[a], times[b])]
-        med = statistics.median(ratios)
-        best = min(times[a]) / min(times[b])
-        if target is None:
-            verdict, shown = "(the cost of a Python hook)", ""
-        else:
-            verdict = "meets target" if med <= target else "MISSES target"
-            shown = f"{target:.2f}"
-        print(f"{a + ' / ' + b:<26}{med:>8.3f}{min(ratios):>8.3f}{max(ratios):>8.3f}{best:>10.3f}"
-              f"{shown:>8}  {verdict}")
+    pairs = list(TARGETS) + [("default", "plain")]
+    ratios = {f"{a} / {b}": Ratio(times[a], times[b], out["loads"]) for a, b in pairs}
+    targets = {f"{a} / {b}": t for (a, b), t in TARGETS.items()}
+    print(ratio_table(ratios, targets, baseline_name="base", unit=1e-3, unit_name="ms"))
+    print("ratio: median over rounds of the two configurations' blocks in that round; best/best: fastest")
+    print("blocks; load: median 1-minute load average per round. default / plain: the cost of a Python hook.")
 
 
 if __name__ == "__main__":

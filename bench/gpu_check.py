@@ -74,12 +74,14 @@ def main() -> None:
 
     @check("case 01: live NCCL Ring/Tree", 2, gpus)
     def _(g):
-        from ddplab.cases import backend_divergence as case
-        params = case.PARAMETERS.validate({
+        from ddplab.cases import get_case
+        case = get_case("backend_divergence")
+        params = case.check_params({
             "world_sizes": sorted({2, min(g, 4)}), "backend": "nccl", "steps": 5,
             "orders": ["gloo", "nccl_ring", "nccl_tree", "exact", "nccl_live_ring", "nccl_live_tree"]})
         verdict = case.verdict(case.run(params, progress=False), params)
-        return f"{verdict.kind}: " + ", ".join(f"{f.key}={f.holds}" for f in verdict.findings)
+        return (f"{verdict.kind} ({verdict.values['evidence']} evidence for live gloo): "
+                + ", ".join(f"{f.key}={f.holds}" for f in verdict.findings))
 
     @check("case 03: .cpu()/.cuda() round trip", 2, gpus)
     def _(g):

@@ -39,7 +39,6 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as _torch_hooks
 
 from ddplab import records as _records
@@ -47,6 +46,7 @@ from ddplab.numerics import accuracy as _accuracy
 from ddplab.numerics import bounds as _bounds
 from ddplab.numerics import fixed_point as _fixed_point
 from ddplab.numerics import orders as _orders
+from ddplab.numerics.fpformat import parse_dtype
 from ddplab.probes import all_gather_flat
 
 __all__ = [
@@ -255,7 +255,11 @@ class AuditState(_StepState):
         reduce_dtype = reduce_dtype if reduce_dtype is not None else known.get("reduce_dtype")
         accumulate = accumulate if accumulate is not None else known.get("accumulate")
         options = dict(options) if options is not None else dict(known.get("options", {}))
-        if order is not None:   # everything reduce() would reject, before any process group is needed
+        # Everything reduce() would reject, before any process group is needed.
+        for dtype in (reduce_dtype, accumulate):
+            if dtype is not None:
+                parse_dtype(dtype)
+        if order is not None:
             _orders.check_reduction(order, op="avg", averaging=None if order == "exact" else averaging,
                                     accumulate=accumulate, reduce_dtype=reduce_dtype, **options)
         super().__init__(process_group)

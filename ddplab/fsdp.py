@@ -32,6 +32,7 @@ backward, so a group reducing a second time starts the next step.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Callable, Mapping
 
 import torch
@@ -89,7 +90,8 @@ def reduce_scatter_args(op, order: str) -> dict:
 def reduce_op_name(op) -> str:
     """"avg", "sum" or "premul_sum" for the ReduceOp FSDP passes (its label in the records)."""
     kind = getattr(op, "op", op)
-    return {dist.ReduceOp.AVG: "avg", dist.ReduceOp.SUM: "sum", dist.ReduceOp.PREMUL_SUM: "premul_sum"}.get(kind, str(kind))
+    names = {dist.ReduceOp.AVG: "avg", dist.ReduceOp.SUM: "sum", dist.ReduceOp.PREMUL_SUM: "premul_sum"}
+    return names.get(kind, str(kind))
 
 
 def fsdp_groups(model: torch.nn.Module) -> list[tuple[str, FSDPModule, list[str]]]:
@@ -120,9 +122,12 @@ class FSDPAlarm(RuntimeError):
 
 
 class FSDPState:
-    """What the comms of one model share: the step count, labels, and the alarms raised.
+    """What the comms of one model share: the step count, labels, alarms, and pending measurements.
 
-    ``labels`` are added to every record the comms emit.
+    ``labels`` are added to every record the comms emit. Full measurements
+    run in one background thread while the backward goes on, and are
+    finished (records emitted, alarms noted or raised) on the training thread
+    at the end of the backward that started them, or by :meth:`flush`.
     """
 
     def __init__(self, labels: Mapping[str, Any] | None = None):
@@ -134,6 +139,9 @@ class FSDPState:
         for key, value in self.labels.items():
             _records._check_label(key, value)
         self.alarms: list[dict] = []
+        self._pending: list[tuple[concurrent.futures.Future, Callable[[Any], None]]] = []
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._flush_queued = False
 
     def advance(self, group_index: int) -> int:
         """The step this group's reduce-scatter belongs to (a repeat starts the next step)."""
@@ -142,6 +150,45 @@ class FSDPState:
             self._reduced.clear()
         self._reduced.add(group_index)
         return self.step
+
+    def defer(self, work: Callable[[], Any], finish: Callable[[Any], None]) -> None:
+        """Run ``work()`` in the measuring thread; call ``finish(its result)`` here at the backward's end.
+
+        Why a thread: a measurement inline would hold back the next collective
+        for every rank; beside the backward it costs only CPU time.
+        """
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                   thread_name_prefix="ddplab-fsdp-audit")
+        threads = torch.get_num_threads()
+
+        def run():
+            torch.set_num_threads(threads)    # a new thread starts with the process default, not the rank's
+            return work()
+
+        self._pending.append((self._executor.submit(run), finish))
+        if self._flush_queued:
+            return
+        try:
+            # Runs after FSDP's own end-of-backward callback (queued at the root's pre-backward),
+            # so the root group's reduce-scatter is finished with the others.
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            self._flush_queued = True
+        except RuntimeError:                  # called outside a backward: finish now
+            self.flush()
+
+    def flush(self) -> None:
+        """Finish every pending measurement: emit its records, note its alarms; re-raise the first error."""
+        self._flush_queued = False
+        pending, self._pending = self._pending, []
+        error = None
+        for future, finish in pending:
+            try:
+                finish(future.result())
+            except Exception as exc:          # finish them all, then report the first
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 class _Comm(ReduceScatter):
@@ -203,6 +250,10 @@ class AuditReduceScatter(_Comm):
       from every rank (``reason="no_bitwise_order"``); ``every_rank=True``
       measures every shard in full (``reason="every_rank"``).
 
+    The full measurements run in a background thread beside the rest of the
+    backward; their records arrive, and their alarms are noted, at the end
+    of that backward (``state.flush()`` finishes pending ones at any time).
+
     Why not every rank in full by default: a shard equal bit for bit to a
     bit-exact order is rounding, and that comparison is cheap; the full
     measurement (exact reference, bounds) is most of the audit's cost, so
@@ -255,46 +306,56 @@ class AuditReduceScatter(_Comm):
         backend_order = BACKEND_ORDER.get(dist.get_backend(group), "sequential")
         order = self.order or backend_order
         args = reduce_scatter_args(op, order)
-        mine = shard.detach().cpu()
+        mine = shard.detach().cpu().clone()    # FSDP divides its output in place after this call
         contributions = contributions.cpu()
         labels = self._labels(group, op, mine.dtype)
         # The backend's own order is emulated bit for bit; NCCL's live order only as a model.
         bitwise = (order == backend_order and order in _orders.BIT_EXACT_ORDERS) if self.bitwise is None \
             else self.bitwise
-        with _rank_threads():
-            expected = reduce_scatter(contributions, order, shard=rank, shard_only=True, **args)
-            matches = float((_bits(mine) == _bits(expected)).to(torch.float64).mean()) if mine.numel() else 1.0
-            decided = dict(verdict="rounding", evidence="bitwise") if bitwise and matches == 1.0 else {}
-            _records.emit("matches_order", matches, step=step, bucket=self.group_index, rank=rank,
-                          order=order, **decided, **labels)
-            if self.every_rank:
-                labels["reason"] = "every_rank"
-            elif not bitwise:
-                labels["reason"] = "no_bitwise_order"
-            elif matches < 1.0:
-                labels["reason"] = "differs_from_order"
-            elif (step + self.group_index) % world == rank:
-                labels["reason"] = "rotation"
-            else:
-                return
-            if "premul" in args:
-                # PREMUL_SUM's products RN(x * f) are what the ring adds: measure the additions
-                # on them (the products' own rounding, < u each, is outside this measurement).
-                scale = torch.tensor(args["premul"], dtype=torch.float64).to(contributions.dtype)
-                contributions = contributions * scale
-                labels["measured_on"] = "premultiplied contributions"
-            recs = _accuracy.error_records(
-                mine, contributions, order, op=args["op"], averaging=args.get("averaging"), expected=expected,
-                bitwise=bitwise,
-                step=step, rank=rank, bucket=self.group_index, **labels)
+        rotation = (step + self.group_index) % world == rank
+
+        def work() -> list[dict]:
+            with _rank_threads():
+                return self._records(mine, contributions, order, args, bitwise, rotation, step, rank, labels)
+
+        self.state.defer(work, lambda recs: self._finish(recs, step, rank))
+
+    def _records(self, mine, contributions, order, args, bitwise, rotation, step, rank, labels) -> list[dict]:
+        """``matches_order``, then the referee's records when this shard is to be measured in full."""
+        expected = reduce_scatter(contributions, order, shard=rank, shard_only=True, **args)
+        matches = float((_bits(mine) == _bits(expected)).to(torch.float64).mean()) if mine.numel() else 1.0
+        decided = dict(verdict="rounding", evidence="bitwise") if bitwise and matches == 1.0 else {}
+        recs = [_records.record("matches_order", matches, step=step, bucket=self.group_index, rank=rank,
+                                order=order, **decided, **labels)]
+        if self.every_rank:
+            reason = "every_rank"
+        elif not bitwise:
+            reason = "no_bitwise_order"
+        elif matches < 1.0:
+            reason = "differs_from_order"
+        elif rotation:
+            reason = "rotation"
+        else:
+            return recs
+        if "premul" in args:
+            # PREMUL_SUM's products RN(x * f) are what the ring adds: measure the additions
+            # on them (the products' own rounding, < u each, is outside this measurement).
+            scale = torch.tensor(args["premul"], dtype=torch.float64).to(contributions.dtype)
+            contributions = contributions * scale
+            labels = dict(labels, measured_on="premultiplied contributions")
+        return recs + _accuracy.error_records(
+            mine, contributions, order, op=args["op"], averaging=args.get("averaging"), expected=expected,
+            bitwise=bitwise, step=step, rank=rank, bucket=self.group_index, reason=reason, **labels)
+
+    def _finish(self, recs: list[dict], step: int, rank: int) -> None:
         for rec in recs:
             fields = {k: v for k, v in rec.items() if k not in _records.RECORD_COLUMNS}
             _records.emit(rec["metric"], rec["value"], step=step, bucket=self.group_index, rank=rank, **fields)
-        label = recs[0]["verdict"] if recs else None
-        if label == "not rounding":
-            ratio = next((r["value"] for r in recs if r["metric"] == "max_bound_ratio"), float("nan"))
+        full = recs[1:]
+        if full and full[0]["verdict"] == "not rounding":
+            ratio = next((r["value"] for r in full if r["metric"] == "max_bound_ratio"), float("nan"))
             alarm = dict(step=step, group=self.group_name, rank=rank, max_bound_ratio=ratio,
-                         evidence=recs[0]["evidence"])
+                         evidence=full[0]["evidence"])
             self.state.alarms.append(alarm)
             if self.raise_on_alarm:
                 raise FSDPAlarm(f"step {step}, group {self.group_name!r}, rank {rank}: the reduce-scattered "

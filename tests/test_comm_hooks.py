@@ -441,6 +441,6 @@ def test_bad_input_is_rejected_before_any_work():
     with pytest.raises(ValueError, match="unsupported dtype"):
         ch.OrderState(order="nccl_ring", accumulate="int8")
     with pytest.raises(ValueError, match="unsupported dtype"):
-        ch.AuditState(reduce_dtype="int8", order="gloo_ring")
+        ch.AuditState(reduce_dtype="int8")
     with pytest.raises(ValueError, match="bitwise"):
         ch.AuditState(bitwise="yes")

@@ -93,10 +93,20 @@ def same_value(a, b):
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
+def all_runs(configs):
+    """One launch for the default tests: the audited configurations, the planted fault, the order comms."""
+    return dict(audit=audited_runs(configs), fault=faulty_run(False), order=order_runs())
+
+
 @pytest.fixture(scope="module")
-def audited(warm_launcher):
-    res = warm_launcher(audited_runs, world_size=WORLD, args=(DEFAULT_CONFIGS,), timeout=240)
-    return res.returns, res.records
+def ranks(warm_launcher):
+    return warm_launcher(all_runs, world_size=WORLD, args=(DEFAULT_CONFIGS,), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def audited(ranks):
+    records = ranks.records
+    return [r["audit"] for r in ranks.returns], records[records["config"].isin(DEFAULT_CONFIGS)]
 
 
 def test_audit_records_equal_an_independent_computation(audited):
@@ -176,25 +186,26 @@ def faulty_run(raise_on_alarm):
     model = build()
     calls = []
     state = fsdp.attach_audit(model, live=recording_live(calls, 2, "fault", fault=flip_last_bit_on_rank_1),
-                              raise_on_alarm=raise_on_alarm)
+                              raise_on_alarm=raise_on_alarm, labels={"config": "fault"})
     train(model, steps=1)
     return state.alarms
 
 
-def test_planted_one_ulp_fault_in_one_shard_is_not_rounding(warm_launcher):
-    res = warm_launcher(faulty_run, world_size=WORLD, args=(False,), timeout=120)
-    verdicts = where(res.records, "numel")
+def test_planted_one_ulp_fault_in_one_shard_is_not_rounding(ranks):
+    records = ranks.records[ranks.records["config"] == "fault"]
+    alarms = [r["fault"] for r in ranks.returns]
+    verdicts = where(records, "numel")
     faulty = verdicts[verdicts["rank"] == 1]
     assert len(faulty) == 2 and set(faulty["reason"]) == {"differs_from_order"}     # both groups' shards
     assert set(faulty["verdict"]) == {"not rounding"} and set(faulty["evidence"]) == {"bitwise"}
     assert set(verdicts[verdicts["rank"] != 1]["verdict"]) == {"rounding"}
-    assert set(where(res.records, "matches_order", rank=0)["verdict"]) == {"rounding"}
+    assert set(where(records, "matches_order", rank=0)["verdict"]) == {"rounding"}
     # One element in each of rank 1's shards: bitwise evidence catches what the bound cannot.
-    differs = where(res.records, "differs_count", rank=1)
+    differs = where(records, "differs_count", rank=1)
     assert set(differs["value"]) == {1.0}
-    assert set(where(res.records, "within_bound", rank=1)["value"]) == {1.0}
-    assert len(res.returns[1]) == 2 and not res.returns[0] and not res.returns[2]
-    assert {a["evidence"] for a in res.returns[1]} == {"bitwise"}
+    assert set(where(records, "within_bound", rank=1)["value"]) == {1.0}
+    assert len(alarms[1]) == 2 and not alarms[0] and not alarms[2]
+    assert {a["evidence"] for a in alarms[1]} == {"bitwise"}
 
 
 @pytest.mark.slow
@@ -234,8 +245,8 @@ def order_runs():
     return calls, params
 
 
-def test_order_and_float32_comms_compute_what_the_emulation_says(warm_launcher):
-    returns = warm_launcher(order_runs, world_size=WORLD, timeout=240).returns
+def test_order_and_float32_comms_compute_what_the_emulation_says(ranks):
+    returns = [r["order"] for r in ranks.returns]
     for r in range(WORLD):   # gloo's own order, emulated, trains exactly as gloo does
         assert bits_equal(returns[r][1]["gloo_ring"], returns[r][1]["plain"])
     float32_differs = False

@@ -391,3 +391,156 @@ def test_bad_input_raises_value_error_before_work():
         reduce(as_contributions(lambda r: torch.ones(3 + r), world_size=2), "sequential")
     with pytest.raises(ValueError, match="world_size"):
         order_depth("sequential", 0)
+
+
+# --------------------------------------------------------------------------- compiled engine vs torch ops
+# run() evaluates programs with numba kernels; run_torch() with one in-place torch op per
+# step, the engine the reference tests above validated first. Both must give the same bits.
+
+from ddplab.numerics._programs import ADD, Arithmetic, Piece, chain_program, run, run_torch, tree_program  # noqa: E402
+from ddplab.numerics.orders import _arithmetic  # noqa: E402
+
+
+def assert_same_results(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
+    """Bitwise equal, except that a NaN only has to be a NaN (torch's own NaN bits depend on the code path)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, label
+    if got.dtype.is_floating_point:
+        bits = float_format(got.dtype).int_dtype
+        same = (got.view(bits) == want.view(bits)) | (got.isnan() & want.isnan())
+    else:
+        same = got == want
+    bad = (~same).nonzero().flatten()
+    assert bad.numel() == 0, f"{label}: {bad.numel()}/{got.numel()} differ, e.g. at {bad[:5].tolist()}"
+
+
+def sources(x: torch.Tensor) -> dict:
+    w, n = x.shape
+    return {"tensor": as_contributions(x),
+            "rows": as_contributions(lambda r: x[r].clone(), world_size=w),
+            "slices": as_contributions(lambda r, a, b: x[r, a:b].clone(), world_size=w, numel=n)}
+
+
+ARITHMETIC = [dict(op="sum"), dict(op="avg", averaging="sum_then_divide"), dict(op="avg", averaging="divide_first"),
+              dict(op="avg", averaging="multiply_reciprocal"),
+              dict(op="avg", averaging="multiply_float32_reciprocal"),
+              dict(op="sum", accumulate=torch.float32),
+              dict(op="avg", averaging="divide_first", accumulate=torch.float64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_compiled_engine_equals_torch_ops_for_every_order_and_averaging(dtype):
+    # Sizes that are not multiples of W, W=1, and one that spans several tiles and gloo segments.
+    for w, n in ((1, 33), (3, 1001), (8, 40_003)):
+        x = sample(w, n, dtype, seed=1000 + w)
+        for order in ("sequential", "reverse", "pairwise", "gloo_ring", "nccl_ring", "nccl_tree"):
+            opts = {"max_segment_bytes": 4096} if order == "gloo_ring" and n > 1000 else {}
+            pieces = reduction_pieces(order, n, w, x.element_size(), **opts)
+            for kw in ARITHMETIC:
+                if "accumulate" in kw and float_format(kw["accumulate"]).p < float_format(dtype).p:
+                    continue
+                arith = _arithmetic(dtype, order, kw["op"], kw.get("averaging"), kw.get("accumulate"), w)
+                want = run_torch(as_contributions(x), pieces, arith)
+                for kind, c in sources(x).items():
+                    if kind != "tensor" and n > 1001:
+                        continue   # callables at the small sizes only: they cost a call per rank and block
+                    assert_same_results(run(c, pieces, arith), want, f"{order} {kw} W={w} N={n} {kind}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=IDS)
+def test_compiled_engine_rounds_edges_like_torch(dtype):
+    # Overflow to inf, inf - inf, NaN, subnormal results, signed zeros, and exact ties of the format.
+    fmt = float_format(dtype)
+    big, tiny = fmt.max, 2.0 ** (fmt.emin - fmt.p + 1)
+    one_ulp = 2.0 ** (1 - fmt.p)
+    rows = [[big, -big, 0.0, -0.0, tiny, 1.0, 1.0, float("inf"), float("nan"), 3 * tiny, 2.0 ** fmt.emin],
+            [big, big, -0.0, -0.0, tiny, one_ulp / 2, -one_ulp / 4, float("-inf"), 1.0, -tiny, -tiny],
+            [-big, big, 0.0, -0.0, -tiny, one_ulp / 2, one_ulp / 2, 1.0, 2.0, tiny / 1, tiny]]
+    g = torch.Generator().manual_seed(5)
+    x = torch.tensor(rows, dtype=torch.float64).to(dtype)
+    x = torch.cat([x, (torch.randn(3, 5000, generator=g, dtype=torch.float64) * 2.0 ** fmt.emin).to(dtype)], 1)
+    for order in ("sequential", "pairwise", "gloo_ring"):
+        pieces = reduction_pieces(order, x.shape[1], 3, x.element_size())
+        for kw in ARITHMETIC:
+            if "accumulate" in kw and float_format(kw["accumulate"]).p < fmt.p:
+                continue
+            arith = _arithmetic(dtype, order, kw["op"], kw.get("averaging"), kw.get("accumulate"), 3)
+            assert_same_results(run(as_contributions(x), pieces, arith), run_torch(as_contributions(x), pieces, arith),
+                                f"{order} {kw}")
+
+
+def test_float64_results_reach_half_precision_through_float32_as_torch_converts():
+    # 1 + 2^-11 + 2^-24 is a hair above the float16 tie 1 + 2^-11, and exactly halfway between two
+    # float32s: float32 rounds it (to even) onto the tie, which float16 then rounds to even, 1.0.
+    # Rounding float64 directly to float16 would give 1 + 2^-10. torch's copy_ goes through float32.
+    x = torch.tensor([[1.0, 1.0], [2.0 ** -11, 2.0 ** -11], [2.0 ** -24, 0.0]], dtype=torch.float16)
+    arith = _arithmetic(torch.float16, "sequential", "sum", None, torch.float64, 3)
+    pieces = reduction_pieces("sequential", 2, 3, 2)
+    got = run(as_contributions(x), pieces, arith)
+    assert_same_results(got, run_torch(as_contributions(x), pieces, arith), "compiled vs torch")
+    assert got.tolist() == [1.0, 1.0]               # the tie 1 + 2^-11 alone also goes to even
+    assert torch.tensor(1 + 2.0 ** -11 + 2.0 ** -24, dtype=torch.float64).to(torch.float16).item() == 1.0
+
+
+def random_pieces(n: int, w: int, g: torch.Generator) -> list:
+    """Pieces over [0, n) with random lengths (some empty) and random chains and trees, shuffled."""
+    cuts = sorted(torch.randint(0, n + 1, (12,), generator=g).tolist())
+    bounds = [0] + cuts + [n]
+    pieces = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        perm = torch.randperm(w, generator=g).tolist()
+        if torch.rand((), generator=g) < 0.5:
+            program = chain_program(perm)
+        else:
+            tree = perm[0]
+            for r in perm[1:]:
+                tree = (tree, r) if torch.rand((), generator=g) < 0.5 else (r, tree)
+            program = tree_program(tree)
+        pieces.append(Piece(a, b, program))
+    order = torch.randperm(len(pieces), generator=g).tolist()
+    return [pieces[i] for i in order]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_compiled_engine_runs_any_pieces_list(dtype):
+    # What other orders (a reduce-scatter, say) hand the engine: any ranges, any programs, any order.
+    g = torch.Generator().manual_seed(21)
+    for w, n in ((1, 50), (4, 999), (7, 20_011)):
+        x = sample(w, n, dtype, seed=w * n)
+        for _ in range(3):
+            pieces = random_pieces(n, w, g)
+            arith = Arithmetic(dtype, dtype)
+            want = run_torch(as_contributions(x), pieces, arith)
+            for kind, c in sources(x).items():
+                assert_same_results(run(c, pieces, arith), want, f"W={w} N={n} {kind}")
+    # A pieces list may cover only part of the buffer: the covered part is still right.
+    x = sample(3, 100, dtype, seed=3)
+    pieces = [Piece(10, 40, chain_program([2, 0, 1])), Piece(60, 61, (1, 0, ADD, 2, ADD))]
+    c, arith = as_contributions(x), Arithmetic(dtype, dtype)
+    got, want = run(c, pieces, arith), run_torch(c, pieces, arith)
+    assert_same_results(got[10:40], want[10:40], "partial")
+    assert_same_results(got[60:61], want[60:61], "partial")
+
+
+def test_compiled_engine_sums_int64_like_torch_and_other_dtypes_fall_back():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randint(-2 ** 58, 2 ** 58, (6, 30_001), generator=g)
+    pieces = reduction_pieces("gloo_ring", x.shape[1], 6, 8)
+    for c in sources(x).values():
+        assert torch.equal(run(c, pieces, Arithmetic(torch.int64, torch.int64)), x.sum(0))
+    small = torch.randint(-1000, 1000, (4, 777), generator=g, dtype=torch.int32)
+    got = run(as_contributions(small), reduction_pieces("nccl_ring", 777, 4, 4), Arithmetic(torch.int32, torch.int32))
+    assert torch.equal(got, small.sum(0, dtype=torch.int32))
+
+
+def test_engine_rejects_pieces_and_programs_it_cannot_run():
+    x = as_contributions(torch.randn(3, 10))
+    arith = Arithmetic(torch.float32, torch.float32)
+    for pieces, match in (([Piece(0, 11, chain_program([0, 1, 2]))], "outside"),
+                          ([Piece(-1, 5, chain_program([0, 1, 2]))], "outside"),
+                          ([Piece(0, 6, chain_program([0, 1, 2])), Piece(5, 10, chain_program([1, 2, 0]))], "overlap"),
+                          ([Piece(0, 10, chain_program([0, 1, 3]))], "rank outside"),
+                          ([Piece(0, 10, (0, 1, ADD, ADD))], "malformed"),
+                          ([Piece(0, 10, (0, 1, 2, ADD))], "malformed")):
+        for engine in (run, run_torch):
+            with pytest.raises(ValueError, match=match):
+                engine(x, pieces, arith)

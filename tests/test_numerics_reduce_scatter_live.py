@@ -5,8 +5,8 @@ dtypes and shard sizes n (a multiple of W, and 1001, which no W here
 divides) runs the collectives FSDP2 and users call on gloo:
 ``reduce_scatter_single`` with SUM and AVG, ``dist.reduce_scatter`` with a
 list, and FSDP2's float16 sequence (divide, SUM, divide). One float32 case is
-larger than 2W MiB, so that gloo's 1 MiB segment limit places segment
-boundaries inside shards. Here the same data is regenerated and reduced by
+(at W=4) larger than 2W MiB, so that gloo's 1 MiB segment limit places
+segment boundaries inside shards. Here the same data is regenerated and reduced by
 :func:`ddplab.numerics.reduce_scatter`: ``gloo_ring`` must equal every
 rank's shard in 100% of elements; NCCL's ring must not (for W >= 3).
 """
@@ -20,13 +20,14 @@ from ddplab.numerics import float_format, fsdp_reduction, reduce_scatter
 
 WORLD_SIZES = [2, 3, 4, 5, 6]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-#: Over 2 MiB per rank's shard of float32: 3W segments of at most 1 MiB, not aligned with shards.
+#: Over 2 MiB per rank's shard of float32: 3W segments of at most 1 MiB, not aligned with shards
+#: (at W=4; smaller buffers have 2W segments, which shards of 1001 elements also cut).
 LARGE_SHARD = (2 << 20) // 4 + 3
 
 
 def shard_sizes(world_size: int, dtype: torch.dtype) -> list[int]:
     sizes = [250 * world_size, 1001]
-    return sizes + [LARGE_SHARD] if dtype == torch.float32 else sizes
+    return sizes + [LARGE_SHARD] if dtype == torch.float32 and world_size == 4 else sizes
 
 
 def contribution(rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -91,10 +91,11 @@ def case01_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_case_01_under_torchrun_equals_the_notebook_launcher(case01_run):
-    from ddplab.cases import backend_divergence as case
+    from ddplab.cases import get_case
 
+    case = get_case("backend_divergence")
     merged = load_run(case01_run)
-    params = case.PARAMETERS.validate({"world_sizes": [4], "steps": 2})
+    params = case.check_params({"world_sizes": [4], "steps": 2})
     local = case.run(params, progress=False)
     assert json_params(case01_run)["world_sizes"] == [4]
     left, right = _canonical(merged), _canonical(local)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+
+from ddplab.numerics._numba_cache import njit
+
 
 __all__ = ["NLIMBS", "OFFSET", "round_values", "parts_of_values"]
 
@@ -27,13 +29,13 @@ _MASK = 4294967295
 _TWO53 = 9007199254740992.0
 
 
-@njit(cache=True)
+@njit
 def _limb_of(v):
     m, e = math.frexp(v)
     return (e - 53 + OFFSET) >> 5
 
 
-@njit(cache=True)
+@njit
 def bn_add(limbs, v):
     """Add the finite float64 ``v`` to the accumulator exactly (no carry propagation)."""
     if v == 0.0:
@@ -59,7 +61,7 @@ def bn_add(limbs, v):
         limbs[li + 2] -= c2
 
 
-@njit(cache=True)
+@njit
 def _carry(limbs, lo, hi):
     for i in range(lo, hi):
         c = limbs[i] >> 32           # floor division by 2^32, negative limbs included
@@ -67,7 +69,7 @@ def _carry(limbs, lo, hi):
         limbs[i + 1] += c
 
 
-@njit(cache=True)
+@njit
 def bn_normalize(limbs, lo, hi):
     """Propagate carries in limbs[lo..hi], leave the magnitude there and return the sign (-1, 0, 1)."""
     _carry(limbs, lo, hi)
@@ -82,7 +84,7 @@ def bn_normalize(limbs, lo, hi):
     return 0
 
 
-@njit(cache=True)
+@njit
 def bn_divide(limbs, lo, hi, d):
     """Divide the (normalized, nonnegative) accumulator by ``d`` < 2^31 in place; return the remainder."""
     rem = np.int64(0)
@@ -94,7 +96,7 @@ def bn_divide(limbs, lo, hi, d):
     return rem
 
 
-@njit(cache=True)
+@njit
 def _top_bit(limbs, lo, hi):
     for i in range(hi, lo - 1, -1):
         v = limbs[i]
@@ -107,7 +109,7 @@ def _top_bit(limbs, lo, hi):
     return -1
 
 
-@njit(cache=True)
+@njit
 def _bits(limbs, start, nbits):
     # Bits [start, start + nbits) as an integer, nbits <= 54; every bit above
     # them is zero (start + nbits - 1 is the top bit), so no shift overflows.
@@ -123,7 +125,7 @@ def _bits(limbs, start, nbits):
     return acc & ((np.int64(1) << nbits) - 1)
 
 
-@njit(cache=True)
+@njit
 def _any_bits_below(limbs, lo, q):
     li = q >> 5
     if li >= lo and (limbs[li] & ((np.int64(1) << (q & 31)) - 1)) != 0:
@@ -134,7 +136,7 @@ def _any_bits_below(limbs, lo, q):
     return False
 
 
-@njit(cache=True)
+@njit
 def bn_round(limbs, lo, hi, sticky, p, emin, emax):
     """The magnitude in limbs[lo..hi] (plus ``sticky`` below it) rounded to (p, emin, emax), ties to even."""
     top = _top_bit(limbs, lo, hi)
@@ -156,7 +158,7 @@ def bn_round(limbs, lo, hi, sticky, p, emin, emax):
     return math.ldexp(float(n), qexp)
 
 
-@njit(cache=True)
+@njit
 def _special_sum(vals, n):
     # IEEE semantics for non-finite inputs: NaN wins, +inf and -inf make NaN.
     pinf = False
@@ -174,7 +176,7 @@ def _special_sum(vals, n):
     return np.inf if pinf else -np.inf
 
 
-@njit(cache=True)
+@njit
 def _load(vals, n, divisor, limbs):
     """Accumulate vals[:n]; return (sign, lo, hi, sticky) with the magnitude of sum/divisor in limbs."""
     lo = NLIMBS
@@ -202,7 +204,7 @@ def _load(vals, n, divisor, limbs):
     return sign, lo, hi, sticky
 
 
-@njit(cache=True)
+@njit
 def _all_negative_zero(vals, n):
     for i in range(n):
         if not (vals[i] == 0.0 and math.copysign(1.0, vals[i]) < 0.0):
@@ -210,7 +212,7 @@ def _all_negative_zero(vals, n):
     return True
 
 
-@njit(cache=True)
+@njit
 def round_values(vals, n, divisor, p, emin, emax, limbs):
     """Correctly rounded (vals[0] + ... + vals[n-1]) / divisor in the format (p, emin, emax).
 
@@ -226,7 +228,7 @@ def round_values(vals, n, divisor, p, emin, emax, limbs):
     return math.copysign(bn_round(limbs, lo, hi, sticky, p, emin, emax), float(sign))
 
 
-@njit(cache=True)
+@njit
 def parts_of_values(vals, n, divisor, limbs):
     """(hi, lo): hi = RN64(sum/divisor), lo = the float64 nearest to the remainder (faithful)."""
     for i in range(n):

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+
+from ddplab.numerics._numba_cache import njit
 
 __all__ = ["two_sum", "two_prod", "round_scaled", "format_args"]
 
@@ -32,7 +33,7 @@ def format_args(fmt) -> tuple[int, int, int]:
     return fmt.p, fmt.emin, fmt.emax
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def two_sum(a, b):
     """Return (s, e) with s = fl(a + b) and a + b = s + e exactly (no branch, any order of |a|, |b|)."""
     s = a + b
@@ -41,7 +42,7 @@ def two_sum(a, b):
     return s, e
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def two_prod(a, b):
     """Return (p, e) with p = fl(a * b) and a * b = p + e exactly (|a|, |b| < 2^996, no underflow)."""
     p = a * b
@@ -55,7 +56,7 @@ def two_prod(a, b):
     return p, e
 
 
-@njit(cache=True)
+@njit
 def round_scaled(hi, lo, scale, p, emin, emax):
     """Correctly round V = (hi + lo) * 2^scale to precision p, exponents [emin, emax].
 

@@ -29,22 +29,22 @@ import math
 
 import numpy as np
 import torch
-from numba import njit
 
+from ddplab.numerics._numba_cache import njit
 from ddplab.numerics._rounding import round_scaled
 from ddplab.numerics.fpformat import float_format
 
 __all__ = ["lane_partials", "lane_sum", "lane_sum_of_squares", "lane_norm", "running_sum_of_squares"]
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def _rn(v, p, emin, emax):
     # For p <= 24 the float64 result of one operation on dtype values, rounded
     # once more to the dtype, is the correctly rounded operation (53 >= 2p + 2).
     return v if p == 53 else round_scaled(v, 0.0, 0, p, emin, emax)
 
 
-@njit(cache=True)
+@njit
 def _accumulate(x, lanes, square, p, emin, emax, trace, running):
     """Lane sums of x (float64 holding dtype values); ``running[t, k]`` = lane k after step t if ``trace``."""
     acc = np.zeros(lanes)
@@ -62,7 +62,7 @@ def _accumulate(x, lanes, square, p, emin, emax, trace, running):
     return acc
 
 
-@njit(cache=True)
+@njit
 def _combine(partials, p, emin, emax):
     total = partials[0]
     for k in range(1, partials.size):

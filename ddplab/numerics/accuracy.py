@@ -53,6 +53,7 @@ import math
 
 import torch
 
+from ddplab.numerics.accumulation import as_micro_contributions, local_sums
 from ddplab.numerics.bounds import (NOT_ROUNDING, OVERFLOW, PROBABILISTIC_CONFIDENCE, ROUNDING, UNDETERMINED,
                                     abs_sum, classify, finite_abs_sum, reduction_bounds)
 from ddplab.numerics.contributions import as_contributions
@@ -104,7 +105,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _chunks(order: str, numel: int, world_size: int, element_size: int, options: dict):
-    """``(start, stop, owner)`` of the chunks the order finishes on one rank each (neighbours of one owner joined), or None."""
+    """``(start, stop, owner)`` of the chunks each finished by one rank (one owner's neighbours joined), or None."""
     if order == "gloo_ring":
         pieces = gloo_ring_segments(numel, world_size, element_size, options["max_segment_bytes"])
     elif order == "nccl_ring":
@@ -162,8 +163,12 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
     ``(hi, lo)``. ``bitwise``: whether ``order`` is emulated bit for bit for
     this result (default: ``order in BIT_EXACT_ORDERS``; pass True for an
     NCCL order that a hook applied with ddplab's emulation, False for a live
-    result the emulation does not model). ``expected``: that emulation's
-    result if already computed (e.g. by a hook).
+    result the emulation does not model). Bitwise evidence compares with the
+    order applied to exactly these contributions: gloo's segments depend on
+    the size of the whole buffer reduced, so measure the whole all-reduced
+    tensor (a DDP bucket), not a slice of a larger one. ``expected``: that
+    emulation's result if already computed (e.g. by a hook, or ``result``
+    itself when it is the emulation).
 
     Returns a dict. Numbers (:data:`METRICS`): ``numel``; ``max_ulp`` and
     ``mean_ulp`` (|distance| to the correctly rounded value in result's
@@ -185,8 +190,6 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
     """
     micro = isinstance(contributions, torch.Tensor) and contributions.dim() == 3
     if micro:
-        from ddplab.numerics.accumulation import as_micro_contributions, local_sums
-
         x = as_micro_contributions(contributions)
         w, steps, n = x.shape
         raw = as_contributions(x.reshape(w * steps, n))

@@ -89,7 +89,11 @@ def gamma(k, dtype) -> float:
 
 
 def probabilistic_gamma(k, dtype, lam: float) -> float:
-    """Higham & Mary's γ̃_k(λ) = exp(λ√k·u + k·u²/(1-u)) - 1: |θ_k| <= it with probability >= 1 - 2exp(-λ²(1-u)²/2)."""
+    """Higham & Mary's γ̃_k(λ) = exp(λ√k·u + k·u²/(1-u)) - 1.
+
+    |θ_k| <= γ̃_k(λ) with probability >= 1 - 2exp(-λ²(1-u)²/2) when the k
+    rounding errors are independent with mean zero.
+    """
     if k < 0 or lam <= 0:
         raise ValueError(f"probabilistic_gamma needs k >= 0 and λ > 0, got k={k}, λ={lam}")
     u = unit_roundoff(dtype)
@@ -148,7 +152,7 @@ def _depth_per_element(order: str, numel: int, world_size: int, element_size: in
 
 
 def _cast_roundings(source, target) -> int:
-    """Roundings of torch's ``.to(target)`` from ``source``: 0 if it widens, 1, or 2 (float64 to 16 bits via float32)."""
+    """Roundings of torch's ``.to(target)`` from ``source``: 0 (wider), 1, or 2 (float64 to 16 bits, via float32)."""
     fs, ft = float_format(source), float_format(target)
     if ft.p >= fs.p:
         return 0
@@ -305,7 +309,7 @@ def pair_bound(contributions, order_a: str, order_b: str, dtype=None, *, op: str
 
 
 class Classification(NamedTuple):
-    """``label`` is one of :data:`LABELS` (never "overflow" here); ``ratio`` = max |error|/bound, NaN if undetermined."""
+    """``label``: one of :data:`LABELS` (never "overflow" here); ``ratio``: max |error|/bound, NaN if undetermined."""
 
     label: str
     ratio: float

@@ -30,9 +30,10 @@ import math
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
 
 from ddplab.numerics import _bignum
+from ddplab.numerics._numba_cache import njit
 from ddplab.numerics._parallel import within_torch_threads
 from ddplab.numerics._rounding import round_scaled, two_prod, two_sum
 from ddplab.numerics.contributions import Contributions, as_contributions
@@ -51,7 +52,7 @@ _MEAN_FAST_MIN = 2.0 ** -960
 _MEAN_FAST_MAX = 2.0 ** 990
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def _finish_fast(s, divisor, p, emin, emax):
     """RN of s/divisor in (p, emin, emax) when s is the exact float64 sum; NaN asks for the slow path."""
     if divisor == 1:
@@ -67,7 +68,7 @@ def _finish_fast(s, divisor, p, emin, emax):
     return q if p == 53 else round_scaled(q, rem, 0, p, emin, emax)
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always")
 def _parts_fast(s, divisor):
     """(hi, lo) of s/divisor for an exact float64 s; NaN hi asks for the slow path."""
     if divisor == 1 or s == 0.0:
@@ -80,7 +81,7 @@ def _parts_fast(s, divisor):
     return q, ((s - pr) - pe) / divisor
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _exact_columns(x, divisor, p, emin, emax, parts, out, out_lo):
     """Exact reduction of the columns of x ([W, n], float32 or float64).
 
@@ -134,15 +135,18 @@ def _exact_columns(x, divisor, p, emin, emax, parts, out, out_lo):
                 out[s0 + i] = v
 
 
-@njit(parallel=True, cache=True)
+@njit
 def _stream_add(partials, count, flags, row):
     """Add one rank's row into each element's nonoverlapping partials (Shewchuk, as math.fsum).
 
     flags bit 1: a nonzero or +0 value was seen (the sum is not -0);
     bit 2: give up on this element (capacity, overflow, inf/NaN): recompute it.
+    Serial: it runs once per generated row, which costs about as much to
+    make as this does to add, and a parallel region per row stalls whenever
+    another process holds one of the cores.
     """
     cap = partials.shape[0]
-    for i in prange(row.size):
+    for i in range(row.size):
         x = np.float64(row[i])
         if x == 0.0:
             if math.copysign(1.0, x) > 0.0:
@@ -170,7 +174,7 @@ def _stream_add(partials, count, flags, row):
         count[i] = k
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _stream_finish(partials, count, flags, divisor, p, emin, emax, parts, out, out_lo):
     """Round each element's partials (skipping the ones flagged for recomputation)."""
     cap = partials.shape[0]
@@ -210,7 +214,7 @@ def _stream_finish(partials, count, flags, divisor, p, emin, emax, parts, out, o
                 out[i] = _bignum.round_values(vals, k, divisor, p, emin, emax, limbs)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _round_pairs(hi, lo, p, emin, emax, out):
     for i in prange(hi.size):
         s, e = two_sum(hi[i], lo[i])

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
 
+from ddplab.numerics._numba_cache import njit
 from ddplab.numerics._parallel import within_torch_threads
 from ddplab.numerics._programs import Arithmetic, run
 from ddplab.numerics._rounding import round_scaled
@@ -122,7 +123,7 @@ def quantize(x: torch.Tensor, exponent: torch.Tensor, world_size: int, *, block_
     return torch.round(y).to(torch.int64)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True)
 def _round_int_scaled(q, scale, p, emin, emax, out):
     for i in prange(q.size):
         hi = float(q[i])                 # RN64 of the integer

@@ -55,7 +55,7 @@ from ddplab.numerics._programs import Piece, chain_program, merge_pieces, run
 from ddplab.numerics.contributions import as_contributions
 from ddplab.numerics.exact import exact_mean, exact_parts, exact_sum, round_to_dtype
 from ddplab.numerics.fpformat import parse_dtype
-from ddplab.numerics.orders import (AVERAGING, _arithmetic, default_averaging, gloo_ring_segments,
+from ddplab.numerics.orders import (_arithmetic, default_averaging, gloo_ring_segments,
                                     order_options, reduction_pieces)
 
 __all__ = [

@@ -4,8 +4,9 @@
   example against the sum of the bare runs it compares -- DDP over 2 ranks,
   the single-process reference and its float64 shadow, each one plain
   launch training the same steps without any capture. Rounds interleave
-  A/B so both see the same machine; prints the median ratio, the ratio of
-  best times (robust to other processes) and the load average. Target ≤ 1.5×.
+  the two (``_common.interleaved``); prints the median ratio of adjacent
+  pairs with its range, the ratio of best times and the load average.
+  Target ≤ 1.5×.
 * False alarms: the correct example over ``--seeds`` seeds under every
   built-in configuration; counts configurations not judged "rounding". Target 0.
 * Planted bugs: every planted example over ``--seeds`` seeds; counts those
@@ -24,10 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
-import time
 
 import torch
+from _common import interleaved, load_average, machine_line, ratio_table
 
 from ddplab import compare, launch
 from ddplab.compare import examples
@@ -59,12 +59,6 @@ def bare_ddp(setup, steps: int) -> None:
         _builtin_step(trainer, setup, split(batch, world)[rank:rank + 1])
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def overhead(rounds: int, steps: int) -> None:
     setup = examples.digits_setup(0, steps=steps)
     bare = lambda: (launch(bare_ddp, world_size=2, args=(setup, steps)),          # noqa: E731
@@ -72,16 +66,10 @@ def overhead(rounds: int, steps: int) -> None:
                     launch(bare_single, world_size=1, args=(setup, steps, torch.float64)))
     full = lambda: compare.run(setup, [DDP(2)], progress=False)                   # noqa: E731
     bare(), full()  # warm: forkserver, imports
-    a, b = [], []
-    for _ in range(rounds):
-        a.append(_time(bare))
-        b.append(_time(full))
-    print(f"overhead (DDP W=2, digits MLP, {steps} steps), {rounds} interleaved rounds, "
-          f"load average {os.getloadavg()[0]:.2f}:")
-    print(f"  bare runs (DDP + reference + float64 shadow): median {statistics.median(a):.3f} s, best {min(a):.3f} s")
-    print(f"  compare.run:                                  median {statistics.median(b):.3f} s, best {min(b):.3f} s")
-    print(f"  ratio: median {statistics.median(b) / statistics.median(a):.2f}x, "
-          f"best {min(b) / min(a):.2f}x   (target <= 1.5x)")
+    print(f"overhead: compare.run(DDP W=2) on the digits MLP, {steps} steps, against the bare runs "
+          f"(DDP + reference + float64 shadow), {rounds} interleaved rounds")
+    ratios = interleaved({"compare.run DDP W=2": full}, bare, rounds)
+    print(ratio_table(ratios, {"compare.run DDP W=2": 1.5}, baseline_name="bare"))
 
 
 # --------------------------------------------------------------------------- false alarms and planted bugs
@@ -99,7 +87,7 @@ def false_alarms(seeds: int, steps: int) -> None:
                 alarms.append((seed, label, verdict.kind, verdict.headline))
     print(f"false alarms on the correct example: {len(alarms)} of {total} configuration runs "
           f"({seeds} seeds; Fabric on the first 3), largest deviation {worst:.3g}, "
-          f"load average {os.getloadavg()[0]:.2f}   (target 0)")
+          f"load average {load_average()[0]:.2f}   (target 0)")
     for alarm in alarms:
         print("   ", alarm)
 
@@ -128,7 +116,7 @@ def planted(seeds: int, steps: int) -> None:
                 else:
                     misses.append((seed, example.name, verdict.kind, verdict.finding, verdict.headline))
     print(f"planted bugs named with the right kind: {named} of {total} ({100 * named / total:.0f}%), "
-          f"{seeds} seeds × {len(examples.PLANTED)} bugs, load average {os.getloadavg()[0]:.2f}   (target 100%)")
+          f"{seeds} seeds × {len(examples.PLANTED)} bugs, load average {load_average()[0]:.2f}   (target 100%)")
     for miss in misses:
         print("   ", miss)
 
@@ -172,6 +160,7 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
+    print(machine_line())
     if args.calibrate:
         calibrate(args.seeds, args.steps)
         return
@@ -181,6 +170,7 @@ def main() -> None:
         false_alarms(args.seeds, args.steps)
     if args.only in (None, "planted"):
         planted(args.seeds, min(args.steps, 4))
+    print(machine_line())
 
 
 if __name__ == "__main__":

@@ -3,7 +3,11 @@ a custom loop, Fabric and FSDP2 (float32 and bfloat16); every planted bug is a b
 right kind; the records are tidy and say the same as the verdicts."""
 from __future__ import annotations
 
+import contextlib
+import io
 import math
+import pathlib
+import re
 
 import pytest
 import torch
@@ -187,15 +191,44 @@ def test_verdicts_render_as_markdown_and_as_a_ddplab_verdict(planted_run):
     assert not math.isnan(result.verdict("no_allreduce W=2").max_deviation)
 
 
-def test_the_readme_example_runs_in_a_few_lines(warm_launcher):
-    import torch.nn.functional as F
+def _readme_section() -> str:
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    return text.split("## Your own training", 1)[1].split("\n## ", 1)[0]
 
-    from ddplab.compare.examples import _batches, _build
 
-    setup = compare.Setup(model=lambda: _build("mlp", 0), batches=_batches(0, 2, 8),
-                          loss=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    result = compare.run(setup, [compare.DDP(2), compare.Accumulate(2, k=2)], progress=False)
-    assert result.kinds == {"ddp W=2": "rounding", "accumulate W=2 k=2": "rounding"}
+def _run_readme_example(source: str) -> str:
+    """Execute ``source`` as a notebook cell would (its functions pickled by value); what it prints."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(source, "README.md", "exec"), {"__name__": "readme_example"})
+    return out.getvalue()
+
+
+def test_the_readme_example_finds_its_planted_bug_verbatim(warm_launcher):
+    """The README's complete example, taken verbatim: under 10 lines, and it prints the table the
+    README shows -- the same verdict, finding and factor in every row."""
+    section = _readme_section()
+    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len([line for line in source.splitlines() if line.strip()]) < 10
+    printed = _run_readme_example(source)
+    shown = [line for line in section.splitlines() if line.startswith("| ") and "**" in line
+             and " W=" in line]
+    assert len(shown) == 2
+    for row in shown:
+        config, verdict, _, first, finding, summary = [c.strip() for c in row.strip("|").split("|")]
+        got = next(line for line in printed.splitlines() if line.startswith(f"| {config} |"))
+        cells = [c.strip() for c in got.strip("|").split("|")]
+        assert cells[1] == verdict == "**bug**" and cells[3] == first and cells[4] == finding == "factor"
+        assert summary.split("…", 1)[1].strip() in cells[5]
+
+
+@pytest.mark.slow
+def test_the_readme_example_with_a_mean_loss_is_rounding(warm_launcher):
+    source = re.search(r"```python\n(.*?)```", _readme_section(), re.S).group(1)
+    assert 'reduction="sum"' in source
+    printed = _run_readme_example(source.replace('reduction="sum"', 'reduction="mean"'))
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and " W=" in line]
+    assert len(rows) == 2 and all("| **rounding** |" in row for row in rows), printed
 
 
 def test_figures_draw_from_the_records_on_a_given_ax(correct_run, planted_run):

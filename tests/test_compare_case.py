@@ -71,19 +71,26 @@ def test_planted_bugs_through_the_parameters(warm_launcher):
     assert CASE.figure("finding", records, params).axes[0].get_title().endswith("factor")
 
 
-def test_a_stop_raises_launch_stopped_with_the_records_so_far(no_leftovers):
-    params = CASE.check_params({"configurations": ["ddp", "accumulate"], "steps": 6})
-    seen = []
+def test_the_explorer_runs_it_and_its_stop_keeps_the_records_so_far(no_leftovers):
+    """your_training in the explorer like any case: a bar per configuration, and Stop (clicked
+    as the first DDP step arrives) ends the ranks; the records so far stay, compared."""
+    from ddplab.explore import CaseExplorer
+
+    explorer = CaseExplorer("your_training")
+    assert "your_training" in explorer.case_picker.options
+    explorer.set_values(configurations=["ddp", "accumulate"], steps=6)
 
     def stop_at_first_config_step(run, rec):
-        seen.append(rec)
         if rec.get("config") == "ddp W=2" and rec.get("metric") == "grad_norm":
-            launcher.stop_all()
+            explorer.stop_button.click()
 
     with launcher.observe(stop_at_first_config_step):
-        with pytest.raises(launcher.LaunchStopped) as info:
-            CASE.run(params, progress=False)
-    frame = info.value.records
+        explorer.run_button.click()
+        explorer.wait(300)
+    assert not explorer.running and explorer.status.value.startswith("stopped"), explorer.status.value
+    assert isinstance(explorer.error, launcher.LaunchStopped)
+    assert {b.description for b in explorer.bars.children} >= {"W=1 reference", "W=2 ddp W=2"}
+    frame = explorer.records
     status = frame[frame["metric"] == "steps_completed"].set_index("config")["status"].to_dict()
     assert status == {"ddp W=2": "stopped", "accumulate W=2 k=4": "not run"}
     assert (frame["metric"] == "deviation").any()      # the steps it finished were compared

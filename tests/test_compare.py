@@ -117,6 +117,7 @@ def test_reference_and_configuration_losses_agree_to_rounding(correct_run):
         assert loss[("truth", step)] == pytest.approx(loss[("reference", step)], rel=1e-5)
 
 
+@pytest.mark.slow  # the README example, in the default suite, finds the same factor 1/W
 def test_summed_loss_is_a_factor_of_one_over_w():
     example = examples.planted_example("summed_loss", steps=2)
     result = compare.run(example.setup, example.configurations, progress=False)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from ddplab import compare, launcher
 from ddplab.compare import examples
 
@@ -47,6 +49,7 @@ def test_crash_and_hang_are_reported_and_the_others_still_publish(no_leftovers):
     assert status.loc["ddp W=2", "value"] == 3
 
 
+@pytest.mark.slow  # the default suite stops your_training through the explorer's Stop
 def test_stop_ends_the_ranks_and_keeps_the_records_so_far(no_leftovers):
     setup = examples.digits_setup(0, steps=6)
     calls = []

@@ -68,6 +68,20 @@ def _per_step(frame, metric: str, agg: str):
     return rows.groupby(["config", "step"], sort=False)["value"].agg(agg)
 
 
+def _run_lines(table, ylabel: str, title: str, ax=None):
+    """One line per run of a ``(config, step) -> value`` series, reference runs first."""
+    with theme():
+        fig, ax = own_axes(ax)
+        for label in _order(table.index.get_level_values(0)):
+            series = table.loc[label]
+            ax.plot(series.index.astype(int), series.values, label=label, **_style(label))
+        _steps_axis(ax)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="best")
+    return fig
+
+
 def loss_curves(records, ax=None):
     """The loss per step: every configuration, the reference and the truth.
 
@@ -75,34 +89,14 @@ def loss_curves(records, ax=None):
     on its share (the global batch's loss when the loss averages over its
     batch; a loss that sums shows up here as 1/W of the reference's).
     """
-    table = _per_step(records, "loss", "mean")
-    with theme():
-        fig, ax = own_axes(ax)
-        for label in _order(table.index.get_level_values(0)):
-            series = table.loc[label]
-            ax.plot(series.index.astype(int), series.values, label=label, **_style(label))
-        _steps_axis(ax)
-        ax.set_ylabel("loss (mean over ranks)")
-        ax.set_title("Loss per step")
-        ax.legend(fontsize=7, loc="best")
-    return fig
+    return _run_lines(_per_step(records, "loss", "mean"), "loss (mean over ranks)", "Loss per step", ax)
 
 
 def grad_norms(records, ax=None):
     """The norm of the gradient each run held at ``optimizer.step()`` (rank 0), per step."""
     rows = _need(records, "grad_norm")
-    rows = rows[rows["rank"] == 0]
-    table = rows.groupby(["config", "step"], sort=False)["value"].first()
-    with theme():
-        fig, ax = own_axes(ax)
-        for label in _order(table.index.get_level_values(0)):
-            series = table.loc[label]
-            ax.plot(series.index.astype(int), series.values, label=label, **_style(label))
-        _steps_axis(ax)
-        ax.set_ylabel("‖gradient‖₂ (rank 0)")
-        ax.set_title("Gradient norm per step")
-        ax.legend(fontsize=7, loc="best")
-    return fig
+    table = rows[rows["rank"] == 0].groupby(["config", "step"], sort=False)["value"].first()
+    return _run_lines(table, "‖gradient‖₂ (rank 0)", "Gradient norm per step", ax)
 
 
 def _configs(records) -> list[str]:

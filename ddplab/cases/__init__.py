@@ -25,6 +25,7 @@ BUILTIN = {
     "half_precision": "ddplab.cases.half_precision",
     "device_roundtrip": "ddplab.cases.device_roundtrip",
     "allreduce_correctness": "ddplab.cases.allreduce_correctness",
+    "your_training": "ddplab.cases.your_training",
 }
 
 _loaded: dict[str, Case] = {}

@@ -1,0 +1,178 @@
+"""ddplab.compare: overhead, false alarms on correct code, planted bugs named, and the margins' calibration.
+
+* Overhead: wall time of ``compare.run(setup, [DDP(2)])`` on the digits
+  example against the sum of the bare runs it compares -- DDP over 2 ranks,
+  the single-process reference and its float64 shadow, each one plain
+  launch training the same steps without any capture. Rounds interleave
+  the two (``_common.interleaved``); prints the median ratio of adjacent
+  pairs with its range, the ratio of best times and the load average.
+  Target ≤ 1.5×.
+* False alarms: the correct example over ``--seeds`` seeds under every
+  built-in configuration; counts configurations not judged "rounding". Target 0.
+* Planted bugs: every planted example over ``--seeds`` seeds; counts those
+  named with the right verdict and finding (and factor / missing pieces). Target 100%.
+* ``--calibrate``: the largest deviation on correct code over seeds × models
+  (MLP, deeper MLP, GroupNorm CNN) × optimizers (SGD with momentum, Adam) ×
+  batch sizes (48, and one sample per rank) × configurations -- the number
+  :data:`ddplab.compare.referee.MEASURED_MAX` records.
+
+Asserts nothing (machines are noisy); prints numbers.
+
+    python bench/bench_compare.py [--rounds 5] [--seeds 20] [--only overhead|alarms|planted] [--calibrate]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+import torch
+from _common import interleaved, load_average, machine_line, ratio_table
+
+from ddplab import compare, launch
+from ddplab.compare import examples
+from ddplab.compare.configurations import DDP
+from ddplab.compare.runners import _builtin_step, _ddp
+from ddplab.compare.setup import cast_batch, forward_loss, global_batches, split
+
+
+# --------------------------------------------------------------------------- the bare runs
+
+
+def bare_single(setup, steps: int, dtype) -> None:
+    """One process, the whole global batch, no capture: what a user runs as the reference."""
+    model = setup.build_model(dtype)
+    optimizer = setup.optimizer(model.parameters())
+    for batch in global_batches(setup, steps):
+        optimizer.zero_grad(set_to_none=True)
+        forward_loss(model, setup.loss, cast_batch(batch, dtype)).backward()
+        optimizer.step()
+
+
+def bare_ddp(setup, steps: int) -> None:
+    """DDP over the launch's ranks, each its share, no capture: the user's distributed run."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = _ddp(setup.build_model(), setup, DDP(world))
+    for batch in global_batches(setup, steps):
+        _builtin_step(trainer, setup, split(batch, world)[rank:rank + 1])
+
+
+def overhead(rounds: int, steps: int) -> None:
+    setup = examples.digits_setup(0, steps=steps)
+    bare = lambda: (launch(bare_ddp, world_size=2, args=(setup, steps)),          # noqa: E731
+                    launch(bare_single, world_size=1, args=(setup, steps, None)),
+                    launch(bare_single, world_size=1, args=(setup, steps, torch.float64)))
+    full = lambda: compare.run(setup, [DDP(2)], progress=False)                   # noqa: E731
+    bare(), full()  # warm: forkserver, imports
+    print(f"overhead: compare.run(DDP W=2) on the digits MLP, {steps} steps, against the bare runs "
+          f"(DDP + reference + float64 shadow), {rounds} interleaved rounds")
+    ratios = interleaved({"compare.run DDP W=2": full}, bare, rounds)
+    print(ratio_table(ratios, {"compare.run DDP W=2": 1.5}, baseline_name="bare"))
+
+
+# --------------------------------------------------------------------------- false alarms and planted bugs
+
+
+def false_alarms(seeds: int, steps: int) -> None:
+    alarms, total, worst = [], 0, 0.0
+    for seed in range(seeds):
+        example = examples.correct(seed, steps=steps, fabric=seed < 3)
+        result = compare.run(example.setup, example.configurations, progress=False)
+        for label, verdict in result.verdicts.items():
+            total += 1
+            worst = max(worst, verdict.max_deviation or 0.0)
+            if verdict.kind != "rounding":
+                alarms.append((seed, label, verdict.kind, verdict.headline))
+    print(f"false alarms on the correct example: {len(alarms)} of {total} configuration runs "
+          f"({seeds} seeds; Fabric on the first 3), largest deviation {worst:.3g}, "
+          f"load average {load_average()[0]:.2f}   (target 0)")
+    for alarm in alarms:
+        print("   ", alarm)
+
+
+def _named(verdict, expected) -> bool:
+    if verdict.kind != expected.verdict or verdict.finding != expected.finding:
+        return False
+    values = verdict.finding_values(expected.finding) if expected.finding else {}
+    if expected.factor is not None and abs(values["factor"] / expected.factor - 1) > 1e-3:
+        return False
+    if expected.missing is not None and tuple(map(tuple, values["missing_pieces"])) != expected.missing:
+        return False
+    return True
+
+
+def planted(seeds: int, steps: int) -> None:
+    named, total, misses = 0, 0, []
+    for seed in range(seeds):
+        for example in examples.planted(seed, steps=steps):
+            result = compare.run(example.setup, example.configurations, progress=False)
+            for label, expected in example.expected.items():
+                total += 1
+                verdict = result.verdict(label)
+                if _named(verdict, expected):
+                    named += 1
+                else:
+                    misses.append((seed, example.name, verdict.kind, verdict.finding, verdict.headline))
+    print(f"planted bugs named with the right kind: {named} of {total} ({100 * named / total:.0f}%), "
+          f"{seeds} seeds × {len(examples.PLANTED)} bugs, load average {load_average()[0]:.2f}   (target 100%)")
+    for miss in misses:
+        print("   ", miss)
+
+
+# --------------------------------------------------------------------------- calibration of the margins
+
+
+def calibrate(seeds: int, steps: int) -> None:
+    from ddplab.compare import FSDP2, Accumulate, Fabric
+
+    worst: dict[str, tuple[float, str]] = {}
+    for seed in range(seeds):
+        for model in examples.MODELS:
+            optimizer = ("sgd", "adam")[seed % 2]
+            for batch_size, configs in (
+                    (48, [DDP(2), DDP(3), DDP(4), Accumulate(2, k=2), Accumulate(2, k=4), FSDP2(2),
+                          FSDP2(2, param_dtype=torch.bfloat16)] + ([Fabric(2)] if seed < 2 else [])),
+                    (4, [DDP(2), DDP(4), Accumulate(2, k=2), FSDP2(4, param_dtype=torch.bfloat16)])):
+                setup = examples.digits_setup(seed, model=model, steps=steps, batch_size=batch_size,
+                                              optimizer=optimizer)
+                result = compare.run(setup, configs, progress=False)
+                for label, verdict in result.verdicts.items():
+                    key = f"{label} (batch {batch_size})"
+                    where = f"seed {seed} {model} {optimizer}"
+                    if verdict.max_deviation > worst.get(key, (-1.0, ""))[0]:
+                        worst[key] = (verdict.max_deviation, where)
+            print(f"  seed {seed} {model}: largest so far {max(v for v, _ in worst.values()):.3g}", flush=True)
+    print(f"largest deviation on correct code, {seeds} seeds × {len(examples.MODELS)} models × "
+          f"2 batch sizes × {steps} steps, per configuration:")
+    for key, (value, where) in sorted(worst.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {value:8.3g}  {key:42s} {where}")
+    print(f"MEASURED_MAX = {max(v for v, _ in worst.values()):.3g}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", choices=("overhead", "alarms", "planted"))
+    parser.add_argument("--calibrate", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    print(machine_line())
+    if args.calibrate:
+        calibrate(args.seeds, args.steps)
+        return
+    if args.only in (None, "overhead"):
+        overhead(args.rounds, args.steps)
+    if args.only in (None, "alarms"):
+        false_alarms(args.seeds, args.steps)
+    if args.only in (None, "planted"):
+        planted(args.seeds, min(args.steps, 4))
+    print(machine_line())
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

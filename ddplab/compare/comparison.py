@@ -1,0 +1,341 @@
+"""Run a comparison: the reference runs, then every configuration, then the referee.
+
+:func:`run` checks the setup and the configurations here (a bad one raises
+ValueError before any process starts), trains the reference runs in one
+process, each configuration on its W ranks (real gloo process groups via
+:func:`ddplab.launch`), and compares every captured step with the float64
+truth (:mod:`ddplab.compare.referee`), localizes the first divergence
+(:mod:`ddplab.compare.localization`) and returns a :class:`Comparison`:
+the tidy records, one verdict per configuration, the errors of the
+configurations that crashed or hung.
+
+A configuration that crashes or hangs does not stop the others: its verdict
+says so (rank, exception, traceback) and the steps it finished are still
+compared. :func:`ddplab.launcher.stop_all` ends the running launch; the
+comparison then keeps what was captured so far and runs nothing more.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from ddplab import launcher as _launcher
+from ddplab import records as _records
+from ddplab.compare import localization as _localization
+from ddplab.compare import referee as _referee
+from ddplab.compare.configurations import Configuration, Fabric, FSDP2, check_configurations
+from ddplab.compare.runners import (RunSpec, configuration_worker, load_capture, reference_runs,
+                                    reference_worker)
+from ddplab.compare.setup import Setup, SetupError, check_setup
+from ddplab.compare.verdicts import ConfigVerdict, comparison_verdict, judge, verdicts_markdown
+from ddplab.numerics import unit_roundoff
+
+__all__ = ["Comparison", "ReferenceFailed", "run", "DEFAULT_TIMEOUT"]
+
+#: Seconds each launch (the reference runs, one configuration) may take before it counts as hung.
+DEFAULT_TIMEOUT = 300.0
+
+
+class ReferenceFailed(RuntimeError):
+    """The single-process reference itself failed: there is nothing to compare with."""
+
+
+@dataclasses.dataclass
+class Comparison:
+    """What :func:`run` found: records, a verdict per configuration, and the failures."""
+
+    setup_name: str
+    steps: int
+    configurations: list[Configuration]
+    runs: list[RunSpec]
+    records: "object"                      # the tidy DataFrame
+    verdicts: dict[str, ConfigVerdict]
+    errors: dict[str, BaseException]
+    stopped: bool = False
+    wall_time: float = 0.0
+
+    def verdict(self, config: str | Configuration) -> ConfigVerdict:
+        label = config.label if isinstance(config, Configuration) else config
+        if label not in self.verdicts:
+            raise KeyError(f"no configuration {label!r}; compared: {list(self.verdicts)}")
+        return self.verdicts[label]
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        """Configuration -> verdict kind ("rounding", "bug", "undetermined", "crashed", "hung", ...)."""
+        return {label: v.kind for label, v in self.verdicts.items()}
+
+    def to_markdown(self) -> str:
+        head = (f"**{self.setup_name}**, {self.steps} steps, against the single-process reference "
+                f"and its float64 truth" + (" (stopped)" if self.stopped else ""))
+        return head + "\n\n" + verdicts_markdown(self.records)
+
+    def to_verdict(self, case: str = "your_training"):
+        """The whole comparison as one :class:`ddplab.verdict.Verdict` (see
+        :func:`~ddplab.compare.verdicts.comparison_verdict`)."""
+        return comparison_verdict(self.records, case=case)
+
+    def _repr_markdown_(self) -> str:
+        return self.to_markdown()
+
+    def __repr__(self) -> str:
+        return f"Comparison({self.setup_name!r}, steps={self.steps}, kinds={self.kinds})"
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """One bar per run label, fed by rank 0's records; and the user's callback."""
+
+    def __init__(self, steps: int, show: bool, callback: Callable | None):
+        self.steps, self.show, self.callback = steps, show, callback
+        self.bars: dict[str, object] = {}
+        self.done: dict[str, int] = {}
+
+    def __call__(self, rec: dict) -> None:
+        if rec.get("metric") != "grad_norm" or rec.get("rank") not in (0, None) or rec.get("step") is None:
+            return
+        label = rec.get("config")
+        done = rec["step"] + 1
+        if done <= self.done.get(label, 0):
+            return
+        self.done[label] = done
+        if self.show:
+            if label not in self.bars:
+                from ddplab.progress import progress_bar
+                self.bars[label] = progress_bar(total=self.steps, desc=label)
+            bar = self.bars[label]
+            bar.update(done - bar.n)
+        if self.callback is not None:
+            self.callback(label, rec["step"], self.steps)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+        self.bars.clear()
+
+
+# --------------------------------------------------------------------------- availability
+
+
+def _unavailable(config: Configuration) -> str | None:
+    """Why ``config`` cannot run here, or None."""
+    if isinstance(config, Fabric):
+        try:
+            import lightning.fabric  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - any import failure is a reason, said
+            return f"Lightning Fabric is not importable ({type(exc).__name__}: {exc})"
+    if isinstance(config, FSDP2):
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return f"torch.distributed.fsdp.fully_shard is not available ({exc})"
+    return None
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def _captures(root: str, run_id: str, steps: int, rank: int) -> list[dict]:
+    out = []
+    for step in range(steps):
+        cap = load_capture(root, run_id, step, rank)
+        if cap is None:
+            break
+        out.append(cap)
+    return out
+
+
+def _band_run(config: Configuration, runs: list[RunSpec]) -> RunSpec:
+    param_dtype, reduce_dtype = config.precision()
+    for spec in runs:
+        if spec.label == "truth":
+            continue
+        if (spec.param_dtype, spec.reduce_dtype) == (param_dtype, reduce_dtype):
+            return spec
+    raise AssertionError(f"no reference run for precision {config.precision()}")
+
+
+def _unit(spec: RunSpec, dtype: torch.dtype) -> float:
+    """Unit roundoff of the dtype ``spec`` computes in (the model's ``dtype`` unless mixed precision)."""
+    return unit_roundoff(spec.param_dtype or spec.dtype or dtype)
+
+
+def _reference_records(root: str, runs: list[RunSpec], steps: int, dtype: torch.dtype) -> tuple[list[dict], dict]:
+    caps = {spec.run_id: _captures(root, spec.run_id, steps, 0) for spec in runs}
+    truth = caps["truth"]
+    recs = []
+    for spec in runs:
+        if spec.label == "truth":
+            continue
+        for step, cap in enumerate(caps[spec.run_id][:len(truth)]):
+            for quantity in _referee.QUANTITIES:
+                key = quantity + "s"
+                recs += _referee.distance_records(step, quantity, truth[step][key], cap[key], cap[key],
+                                                  None, config=spec.label, band_label=spec.label,
+                                                  unit_roundoff=_unit(spec, dtype))
+    return recs, caps
+
+
+def _config_records(root: str, config: Configuration, run_id: str, steps: int, caps: dict,
+                    band: RunSpec, dtype: torch.dtype) -> tuple[list[dict], list[list[dict]]]:
+    ranks = [_captures(root, run_id, steps, r) for r in range(config.world_size)]
+    truth, ref, matched = caps["truth"], caps["reference"], caps[band.run_id]
+    done = min([len(ranks[0]), len(truth), len(ref), len(matched)])
+    recs = []
+    for step in range(done):
+        for quantity in _referee.QUANTITIES:
+            key = quantity + "s"
+            others = {r: ranks[r][step][key] for r in range(1, config.world_size) if step < len(ranks[r])}
+            recs += _referee.distance_records(step, quantity, truth[step][key], matched[step][key],
+                                              ranks[0][step][key], ref[step][key], config=config.label,
+                                              others=others, band_label=band.label,
+                                              unit_roundoff=_unit(band, dtype))
+    return recs, ranks
+
+
+def _reduction_records(config: Configuration, ranks: list[list[dict]]) -> list[dict]:
+    """The referee's measure of every captured DDP bucket: its result against gloo's ring order
+    applied to the W ranks' contributions (bit for bit), per step; empty without captured buckets."""
+    from ddplab.numerics import error_records
+    from ddplab.numerics.orders import DDP_AVERAGING
+
+    out = []
+    steps = min(len(r) for r in ranks)
+    for step in range(steps):
+        if "buckets" not in ranks[0][step]:
+            return out
+        by_rank = [{b["index"]: b for b in ranks[r][step]["buckets"]} for r in range(config.world_size)]
+        for index, bucket in sorted(by_rank[0].items()):
+            if not all(index in other for other in by_rank):
+                continue
+            contributions = torch.stack([other[index]["local"] for other in by_rank])
+            out += error_records(bucket["result"], contributions, "gloo_ring", op="avg",
+                                 averaging=DDP_AVERAGING, step=step, rank=0, bucket=index,
+                                 config=config.label, params=bucket["params"], collective="allreduce")
+    return out
+
+
+def _status_record(config: Configuration, status: str, steps_done: int, error: BaseException | None) -> dict:
+    labels = dict(config=config.label, status=status, **{k: v for k, v in config.describe().items()
+                                                          if k != "config" and v is not None})
+    if error is not None:
+        labels["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        rank = getattr(error, "rank", None)
+        if rank is not None:
+            labels["failed_rank"] = int(rank)
+    return _records.record("steps_completed", steps_done, **labels)
+
+
+# --------------------------------------------------------------------------- the entry point
+
+
+def run(setup: Setup, configurations, *, steps: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+        progress: bool | Callable = True) -> Comparison:
+    """Compare each configuration with the single-process reference, step by step and parameter by parameter.
+
+    ``setup``: a :class:`~ddplab.compare.Setup`; ``configurations``: one or a
+    list of :class:`~ddplab.compare.DDP`, :class:`~ddplab.compare.Accumulate`,
+    :class:`~ddplab.compare.Fabric`, :class:`~ddplab.compare.FSDP2`,
+    :class:`~ddplab.compare.Custom`; ``steps``: how many global batches
+    (default: all); ``timeout``: seconds per launch before it counts as hung;
+    ``progress``: True for one bar per run, False for none, or a callable
+    ``fn(config, step, steps)`` called as each step finishes.
+
+    Raises ValueError (a :class:`SetupError` for the setup) before any process
+    starts when the setup or a configuration is unusable, and
+    :class:`ReferenceFailed` when the single-process reference itself fails.
+
+    Example::
+
+        >>> from ddplab import compare
+        >>> result = compare.run(compare.examples.digits_setup(), [compare.DDP(2), compare.Accumulate(2, k=2)])
+        >>> result.kinds
+        {'ddp W=2': 'rounding', 'accumulate W=2 k=2': 'rounding'}
+    """
+    t0 = time.perf_counter()
+    configs = check_configurations(configurations)
+    if not (isinstance(progress, bool) or callable(progress)):
+        raise ValueError(f"progress must be True, False or a callable (config, step, steps), got {progress!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
+    steps = facts["steps"]
+    runs = reference_runs(configs)
+    bars = _Progress(steps, progress is True, progress if callable(progress) else None)
+    streamed: list[dict] = []
+
+    def on_record(rec: dict) -> None:
+        streamed.append(rec)
+        bars(rec)
+
+    errors: dict[str, BaseException] = {}
+    statuses: dict[str, tuple[str, BaseException | None]] = {}
+    stopped = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="ddplab-compare-") as root:
+            try:
+                _launcher.launch(reference_worker, world_size=1,
+                                 args=(setup, runs, steps, root, facts["digest"]),
+                                 timeout=timeout, on_record=on_record)
+            except _launcher.LaunchStopped:
+                stopped = True
+            except _launcher.RankFailed as err:
+                if err.exc_type == "SetupError":
+                    raise SetupError(str(err).splitlines()[0].split("SetupError: ", 1)[-1]) from err
+                raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
+                                      f"compare with:\n{err}") from err
+            except _launcher.LaunchError as err:
+                raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
+                                      f"compare with:\n{err}") from err
+            for index, config in enumerate(configs):
+                run_id = f"config{index}"
+                if stopped:
+                    statuses[config.label] = ("not run", None)
+                    continue
+                reason = _unavailable(config)
+                if reason is not None:
+                    statuses[config.label] = ("unavailable", RuntimeError(reason))
+                    continue
+                try:
+                    _launcher.launch(configuration_worker, world_size=config.world_size,
+                                     args=(setup, config, steps, root, run_id, facts["digest"]),
+                                     timeout=config.timeout or timeout, on_record=on_record)
+                    statuses[config.label] = ("completed", None)
+                except _launcher.LaunchStopped as err:
+                    stopped = True
+                    statuses[config.label] = ("stopped", err)
+                except _launcher.LaunchTimeout as err:
+                    statuses[config.label] = ("hung", err)
+                except _launcher.LaunchError as err:
+                    statuses[config.label] = ("crashed", err)
+            records = list(streamed)
+            ref_recs, caps = _reference_records(root, runs, steps, facts["dtype"])
+            records += ref_recs
+            for index, config in enumerate(configs):
+                status, error = statuses[config.label]
+                if error is not None:
+                    errors[config.label] = error
+                done = 0
+                if status not in ("not run", "unavailable"):
+                    band = _band_run(config, runs)
+                    recs, ranks = _config_records(root, config, f"config{index}", steps, caps, band,
+                                                  facts["dtype"])
+                    records += recs
+                    done = len(ranks[0])
+                    records += _reduction_records(config, ranks)
+                    records += _localization.localize(setup, config, caps, ranks, recs)
+                records.append(_status_record(config, status, done, error))
+    finally:
+        bars.close()
+    frame = _records.to_frame(records)
+    verdicts = {c.label: judge(frame, c.label, error=errors.get(c.label)) for c in configs}
+    return Comparison(setup_name=setup.name, steps=steps, configurations=configs, runs=runs,
+                      records=frame, verdicts=verdicts, errors=errors, stopped=stopped,
+                      wall_time=time.perf_counter() - t0)

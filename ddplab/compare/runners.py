@@ -1,0 +1,388 @@
+"""What the ranks run: the reference runs in one process, each configuration on its W ranks.
+
+Every run captures the same two things per step, whatever trains the model:
+the gradient each parameter holds when ``optimizer.step()`` is called (for
+DDP, Fabric and FSDP2 that is the *reduced* gradient) and the parameters
+after it. Optimizer step hooks see both without touching the training loop,
+so a user's own step function is observed exactly like ddplab's loops.
+FSDP2's sharded gradients and parameters are gathered to full tensors there
+(a collective every rank reaches, as all call ``optimizer.step()``).
+
+Each rank writes one file per step (:func:`capture_path`, written to a
+temporary name and renamed, so a file that exists is complete): what was
+captured survives a crash, a hang or a stop, and the parent compares the
+steps that finished. Each rank also emits ``loss``, ``grad_norm`` and
+``optimizer_steps`` records, labelled ``config``, which stream back while
+it runs (progress).
+
+Where ddplab knows the reduction exactly, the ranks also keep what the
+collective saw. DDP (and Fabric's DDP) without a user comm hook reduces
+through :func:`_capture_hook`: DDP's own reduction (bitwise what DDP does
+without a hook) that also keeps each bucket's local contribution and result;
+the parent then checks the result against gloo's ring order bit for bit
+(:func:`ddplab.numerics.measure`). FSDP2's reduce-scatters are audited in the
+ranks by :func:`ddplab.fsdp.attach_audit`, whose records stream back.
+
+The reference runs (:func:`reference_worker`) train the whole global batch
+in one process: in the model's dtype (``reference``), in float64 (``truth``,
+the batches' floating tensors converted too), and for a mixed-precision
+configuration with the forward and backward passes in its ``param_dtype``
+and the gradient rounded to its ``reduce_dtype`` (the same rounding a
+single process would see).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ddplab import records as _records
+from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric, StepContext
+from ddplab.compare.setup import (Setup, SetupError, cast_batch, forward_loss, global_batches,
+                                  model_digest, named_trainable, split)
+
+__all__ = ["RunSpec", "Capture", "BucketCapture", "capture_path", "load_capture", "reference_worker",
+           "configuration_worker", "reference_runs"]
+
+
+# --------------------------------------------------------------------------- where captures live
+
+
+def capture_path(root: str, run_id: str, step: int, rank: int) -> str:
+    return os.path.join(root, run_id, f"s{step:06d}-r{rank:04d}.pt")
+
+
+def load_capture(root: str, run_id: str, step: int, rank: int) -> dict | None:
+    """One rank's capture of one step, or None when that step did not finish."""
+    path = capture_path(root, run_id, step, rank)
+    if not os.path.exists(path):
+        return None
+    return torch.load(path, weights_only=True)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    # FSDP2 holds DTensors sharded over the ranks; full_tensor() gathers them.
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().cpu().clone()
+
+
+class BucketCapture:
+    """State of :func:`_capture_hook`: the buckets of the current step, named by their parameters."""
+
+    def __init__(self, named: list):
+        self.names = {id(p): n for n, p in named}
+        self.buckets: list[dict] = []
+
+    def take(self) -> list[dict]:
+        out, self.buckets = self.buckets, []
+        return out
+
+
+def _capture_hook(state, bucket):
+    # No annotations: DDP compares them with dist.GradBucket as objects, and this
+    # module's are strings (from __future__ import annotations).
+    """DDP's own reduction (:func:`ddplab.comm_hooks.ddp_default_hook`, bitwise what DDP does
+    without a hook), keeping this rank's contribution and the reduced result of each bucket."""
+    from ddplab.comm_hooks import ddp_default_hook
+
+    local = bucket.buffer().detach().clone()  # before the in-place reduction
+    index = bucket.index()
+    params = ",".join(state.names.get(id(p), "?") for p in bucket.parameters())
+
+    def keep(fut: torch.futures.Future) -> torch.Tensor:
+        result = fut.value()
+        state.buckets.append(dict(index=index, params=params, local=local, result=result.detach().clone()))
+        return result
+
+    return ddp_default_hook(None, bucket).then(keep)
+
+
+class Capture:
+    """Optimizer step hooks that record the gradients before and the parameters after ``step()``.
+
+    ``named`` is the ``(name, parameter)`` list to capture (the names of the
+    unwrapped model); ``buckets``, a :class:`BucketCapture` whose buckets go
+    into the step's file too. :meth:`finish` writes the step's file and
+    emits its records.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
+                 label: str, rank: int, buckets: BucketCapture | None = None):
+        self.named = named
+        self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
+        self.grads: dict[str, torch.Tensor] | None = None
+        self.params: dict[str, torch.Tensor] | None = None
+        self.calls = 0
+        self.buckets = buckets
+        os.makedirs(os.path.join(root, run_id), exist_ok=True)
+        optimizer.register_step_pre_hook(self._before)
+        optimizer.register_step_post_hook(self._after)
+
+    def _before(self, optimizer, args, kwargs) -> None:
+        self.calls += 1
+        if self.grads is None:  # the first step() of a training step is the one compared
+            self.grads = {n: _full(p.grad) for n, p in self.named if p.grad is not None}
+
+    def _after(self, optimizer, args, kwargs) -> None:
+        self.params = {n: _full(p) for n, p in self.named}
+
+    def finish(self, step: int, loss: float | None) -> None:
+        if self.calls == 0:
+            raise RuntimeError(f"{self.label}: optimizer.step() was not called in step {step}")
+        grads = self.grads
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))) if grads else 0.0
+        data = dict(grads=grads, params=self.params, loss=loss, optimizer_steps=self.calls)
+        if self.buckets is not None:
+            data["buckets"] = self.buckets.take()
+        path = capture_path(self.root, self.run_id, step, self.rank)
+        torch.save(data, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a capture that exists is complete
+        labels = dict(config=self.label)
+        if loss is not None:
+            _records.emit("loss", loss, step=step, rank=self.rank, **labels)
+        _records.emit("grad_norm", norm, step=step, rank=self.rank, **labels)
+        _records.emit("optimizer_steps", self.calls, step=step, rank=self.rank, **labels)
+        self.grads = self.params = None
+        self.calls = 0
+
+
+def _loss_value(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().double().sum()) if value.numel() == 1 else None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- the reference runs
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One single-process reference run: its label, the master dtype and the compute precision."""
+
+    label: str
+    run_id: str
+    dtype: torch.dtype | None = None          # None: the model's own dtype
+    param_dtype: torch.dtype | None = None    # compute dtype of forward/backward (mixed precision)
+    reduce_dtype: torch.dtype | None = None   # the gradient is rounded to it
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def reference_runs(configurations: list[Configuration]) -> list[RunSpec]:
+    """The reference, the float64 truth, and one precision-matched reference per mixed precision."""
+    runs = [RunSpec("reference", "reference"), RunSpec("truth", "truth", dtype=torch.float64)]
+    seen = set()
+    for c in configurations:
+        precision = c.precision()
+        if precision == (None, None) or precision in seen:
+            continue
+        seen.add(precision)
+        param_dtype, reduce_dtype = precision
+        parts = [p for p in (param_dtype and _dtype_name(param_dtype),
+                             reduce_dtype and reduce_dtype != param_dtype and f"reduce {_dtype_name(reduce_dtype)}")
+                 if p]
+        label = "reference " + "/".join(parts)
+        runs.append(RunSpec(label, f"ref{len(runs)}", param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    return runs
+
+
+def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> None:
+    model = setup.build_model(spec.dtype)
+    named = named_trainable(model)
+    optimizer = setup.optimizer(model.parameters())
+    capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0)
+    if spec.reduce_dtype is not None:
+        master = named[0][1].dtype
+        for _, p in named:  # the gradient as a reduction in reduce_dtype would leave it
+            p.register_hook(lambda g, rd=spec.reduce_dtype: g.to(rd).to(master))
+    for step, batch in enumerate(batches):
+        batch = cast_batch(batch, spec.dtype)
+        optimizer.zero_grad(set_to_none=True)
+        if spec.param_dtype is None:
+            loss = forward_loss(model, setup.loss, batch)
+        else:
+            # Compute in param_dtype from the master weights, as FSDP2's
+            # MixedPrecisionPolicy does; the cast's backward returns the
+            # gradient to the master dtype.
+            low = {n: p.to(spec.param_dtype) for n, p in named}
+            inputs = cast_batch(batch, spec.param_dtype, target=False)
+            out = torch.func.functional_call(model, low, inputs[:-1])
+            loss = setup.loss(out, inputs[-1])
+        loss.backward()
+        optimizer.step()
+        capture.finish(step, _loss_value(loss))
+
+
+def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str) -> None:
+    """Rank 0 of a 1-rank launch: every reference run, one after the other.
+
+    First checks that this process builds the model the parent built
+    (``digest``): a model seeded from the process (its pid, the clock) would
+    start every rank elsewhere, and that is found here, before any
+    configuration runs.
+    """
+    if model_digest(setup.build_model()) != digest:
+        raise SetupError("setup.model() builds different initial weights in another process than in "
+                         "this one, so ranks would start from different models: seed it with a "
+                         "constant (torch.manual_seed(0)), not from the process or the clock")
+    batches = global_batches(setup, steps)
+    for spec in runs:
+        _train_reference(setup, spec, batches, root)
+
+
+# --------------------------------------------------------------------------- the configurations
+
+
+@dataclasses.dataclass
+class _Trainer:
+    """A wrapped model ready to train: how to run backward and how to skip gradient sync."""
+
+    model: torch.nn.Module
+    optimizer: Any               # what the loop calls step()/zero_grad() on (Fabric wraps it)
+    raw_optimizer: torch.optim.Optimizer
+    backward: Callable
+    no_sync: Callable[[], contextlib.AbstractContextManager]
+    buckets: BucketCapture | None = None
+
+
+def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
+    from torch.nn.parallel import DistributedDataParallel
+
+    kwargs = dict(config.options)
+    if config.bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = config.bucket_cap_mb
+    model = DistributedDataParallel(raw, **kwargs)
+    buckets = None
+    if config.comm_hook is not None:
+        state = config.hook_state() if config.hook_state is not None else None
+        model.register_comm_hook(state, config.comm_hook)
+    else:
+        buckets = BucketCapture(named_trainable(raw))
+        model.register_comm_hook(buckets, _capture_hook)
+    optimizer = setup.optimizer(model.parameters())
+    return _Trainer(model, optimizer, optimizer, lambda loss: loss.backward(), model.no_sync, buckets)
+
+
+def _fabric(raw: torch.nn.Module, setup: Setup, config: Fabric) -> _Trainer:
+    from ddplab.fabric import ddp_of, make_fabric
+
+    fabric = make_fabric("cpu")
+    optimizer = setup.optimizer(raw.parameters())
+    model, wrapped = fabric.setup(raw, optimizer)
+    buckets = BucketCapture(named_trainable(raw))
+    ddp_of(model).register_comm_hook(buckets, _capture_hook)
+    return _Trainer(model, wrapped, optimizer, fabric.backward,
+                    lambda: fabric.no_backward_sync(model, enabled=True), buckets)
+
+
+def _fsdp2(raw: torch.nn.Module, setup: Setup, config: FSDP2) -> _Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    param_dtype, reduce_dtype = config.precision()
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
+    # One FSDP unit per module owning parameters, then the root: the usual layout.
+    for module in list(raw.modules())[1:]:
+        if any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module, **kwargs)
+    fully_shard(raw, **kwargs)
+    # Every reduce-scatter measured against gloo's ring, bit for bit; records labelled like ours.
+    from ddplab.fsdp import attach_audit
+    attach_audit(raw, labels={"config": config.label})
+    optimizer = setup.optimizer(raw.parameters())
+
+    @contextlib.contextmanager
+    def no_sync():
+        raw.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            raw.set_requires_gradient_sync(True)
+
+    return _Trainer(raw, optimizer, optimizer, lambda loss: loss.backward(), no_sync)
+
+
+def _custom_model(raw: torch.nn.Module, config: Custom) -> torch.nn.Module:
+    if config.wrap == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(raw)
+    if config.wrap is None:
+        return raw
+    return config.wrap(raw)
+
+
+def _builtin_step(trainer: _Trainer, setup: Setup, micro_batches: list) -> float:
+    """Zero the gradients, k forward/backward passes (all but the last without sync), one step."""
+    k = len(micro_batches)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for m, micro in enumerate(micro_batches):
+        with (contextlib.nullcontext() if m == k - 1 else trainer.no_sync()):
+            loss = forward_loss(trainer.model, setup.loss, micro)
+            if k > 1:
+                loss = loss / k
+            trainer.backward(loss)
+        total += float(loss.detach())
+    trainer.optimizer.step()
+    return total
+
+
+def configuration_worker(setup: Setup, config: Configuration, steps: int, root: str, run_id: str,
+                         digest: str) -> int:
+    """Every rank of a configuration's launch: build, check, wrap, train ``steps`` steps, capture.
+
+    Returns the number of steps trained. Raises :class:`SetupError` when this
+    rank's model does not start from the reference's initial weights.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Every record of this launch -- a user comm hook's too -- names the configuration.
+    _records.set_labels(config=config.label)
+    batches = global_batches(setup, steps)
+    raw = setup.build_model()
+    if model_digest(raw) != digest:
+        raise SetupError(f"rank {rank} built a model whose initial weights differ from the reference's: "
+                         "setup.model() must build the same weights in every process")
+    if isinstance(config, Custom):
+        model = _custom_model(raw, config)
+        optimizer = setup.optimizer(model.parameters())
+        trainer = None
+    elif isinstance(config, Fabric):
+        trainer = _fabric(raw, setup, config)
+        optimizer = trainer.raw_optimizer
+    elif isinstance(config, FSDP2):
+        trainer = _fsdp2(raw, setup, config)
+        optimizer = trainer.raw_optimizer
+    elif isinstance(config, DDP):
+        trainer = _ddp(raw, setup, config)
+        optimizer = trainer.raw_optimizer
+    else:
+        raise ValueError(f"no runner for configuration {type(config).__name__}")
+    # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
+    capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
+                      rank=rank, buckets=trainer.buckets if trainer is not None else None)
+    for step, batch in enumerate(batches):
+        pieces = split(batch, world * config.k)
+        micro = pieces[rank * config.k:(rank + 1) * config.k]
+        if trainer is None:
+            shard = tuple(torch.cat(parts) for parts in zip(*micro))
+            ctx = StepContext(model=model, optimizer=optimizer, loss=setup.loss, batch=batch, shard=shard,
+                              micro_batches=micro, step=step, rank=rank, world_size=world, k=config.k)
+            loss = _loss_value(config.train_step(ctx))
+        else:
+            loss = _builtin_step(trainer, setup, micro)
+        capture.finish(step, loss)
+    return len(batches)

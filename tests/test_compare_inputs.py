@@ -1,0 +1,122 @@
+"""Bad setups and configurations are refused with a ValueError naming the problem, before any
+rank starts; a model that differs from process to process is caught before any configuration runs."""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ddplab import compare, launcher
+from ddplab.compare import examples
+from ddplab.compare.examples import _batches, _build
+
+
+def _setup(**overrides) -> compare.Setup:
+    fields = dict(model=functools.partial(_build, "mlp", 0), batches=_batches(0, 2, 8),
+                  loss=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    fields.update(overrides)
+    return compare.Setup(**fields)
+
+
+def _unseeded():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+
+def _five_classes():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 5))
+
+
+def _no_flatten():
+    torch.manual_seed(0)
+    return nn.Linear(64, 10)
+
+
+def _dropout():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(64, 10))
+
+
+def _raises():
+    raise RuntimeError("cannot find the checkpoint")
+
+
+def _ragged_batches():
+    good = _batches(0, 2, 8)
+    return [good[0], (good[1][0][:, :, :4], good[1][1])]
+
+
+@pytest.mark.parametrize("setup, configs, match", [
+    (_setup(model=_raises), None, r"setup\.model\(\) raised RuntimeError: cannot find the checkpoint"),
+    (_setup(model=_unseeded), None, r"different weights on each call.*manual_seed"),
+    (_setup(model=lambda: 3), None, r"must return a torch\.nn\.Module, got int"),
+    (_setup(model=_no_flatten), None, r"forward pass on batch 0 raised RuntimeError"),
+    (_setup(model=_five_classes), None, r"setup\.loss\(output, target\) on batch 0 raised"),
+    (_setup(loss=functools.partial(F.cross_entropy, reduction="none")), None, r"0-dim tensor.*\(8,\)"),
+    (_setup(model=_dropout), None, r"not deterministic.*dropout"),
+    (_setup(optimizer=lambda p: list(p)), None, r"must return a torch\.optim\.Optimizer, got list"),
+    (_setup(batches=[]), None, r"setup\.batches is empty"),
+    (_setup(batches=[(torch.zeros(8, 64),)]), None, r"batch 0 must be a tuple \(inputs\.\.\., target\)"),
+    (_setup(batches=[(torch.zeros(8, 64), torch.zeros(6, dtype=torch.long))]), None, r"one batch size"),
+    (_setup(batches=_ragged_batches), None, r"batch 1 has per-sample shapes"),
+    (_setup(), [compare.Accumulate(2, k=3)], r"'accumulate W=2 k=3' cannot split into 6 equal pieces"),
+    (_setup(batches=lambda: 1 / 0), None, r"setup\.batches\(\) raised ZeroDivisionError"),
+    ("not a setup", None, r"expected a ddplab\.compare\.Setup"),
+])
+def test_bad_setups_are_named_before_any_rank_starts(setup, configs, match):
+    seen = []
+    with launcher.observe(lambda run, rec: seen.append(rec)):
+        with pytest.raises(compare.SetupError, match=match):
+            compare.run(setup, configs or [compare.DDP(2)], progress=False)
+    assert seen == []  # no rank ever ran
+
+
+@pytest.mark.parametrize("configs, match", [
+    ([], r"at least one configuration"),
+    ([compare.DDP(0)], r"world_size must be an int >= 1, got 0"),
+    ([compare.Accumulate(2, k=1)], r"k >= 2"),
+    ([compare.DDP(2), compare.DDP(2)], r"unique.*'ddp W=2'"),
+    ([compare.DDP(2, name="reference")], r"clash with the reference"),
+    ([compare.DDP(2, bucket_cap_mb=-1)], r"bucket_cap_mb"),
+    ([compare.DDP(2, comm_hook="allreduce")], r"comm_hook"),
+    ([compare.DDP(2, options={"process_group": None})], r"must not set \['process_group'\]"),
+    ([compare.Custom(2)], r"train_step"),
+    ([compare.Custom(2, train_step=print, wrap="fsdp")], r"wrap must be"),
+    ([compare.FSDP2(2, param_dtype=torch.int32)], r"param_dtype must be a floating"),
+    ([compare.DDP(2, timeout=0)], r"timeout must be a positive"),
+    (["ddp"], r"expected DDP, Accumulate, Fabric, FSDP2 or Custom, got str"),
+    (7, r"a Configuration or a list"),
+])
+def test_bad_configurations_are_named(configs, match):
+    with pytest.raises(ValueError, match=match):
+        compare.run(_setup(), configs, progress=False)
+
+
+def test_bad_run_arguments_are_named():
+    with pytest.raises(ValueError, match=r"steps=5 but setup\.batches has only 2"):
+        compare.run(_setup(), compare.DDP(2), steps=5)
+    with pytest.raises(ValueError, match="steps must be an int >= 1"):
+        compare.run(_setup(), compare.DDP(2), steps=0)
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        compare.run(_setup(), compare.DDP(2), timeout=-1)
+    with pytest.raises(ValueError, match="progress must be"):
+        compare.run(_setup(), compare.DDP(2), progress="yes")
+    with pytest.raises(ValueError, match="unknown planted example"):
+        examples.planted_example("typo")
+
+
+def _seeded_by_pid():
+    torch.manual_seed(os.getpid())
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+
+def test_a_model_that_differs_between_processes_is_refused_before_any_configuration(no_leftovers):
+    seen = []
+    with launcher.observe(lambda run, rec: seen.append(rec)):
+        with pytest.raises(compare.SetupError, match="different initial weights in another process"):
+            compare.run(_setup(model=_seeded_by_pid), [compare.DDP(2)], progress=False)
+    assert not [r for r in seen if r.get("config") == "ddp W=2"]  # the configuration never ran

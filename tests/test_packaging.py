@@ -45,6 +45,7 @@ def installed(tmp_path_factory):
     return python, env, tmp
 
 
+@pytest.mark.slow  # a kernel and a case report from the wheel (about 35 s); the fixture checks the wheel carries the notebooks
 def test_installed_wheel_runs_a_report_from_any_directory(installed):
     python, env, tmp = installed
     elsewhere = tmp / "somewhere"

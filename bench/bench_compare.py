@@ -75,18 +75,20 @@ def overhead(rounds: int, steps: int) -> None:
 # --------------------------------------------------------------------------- false alarms and planted bugs
 
 
-def false_alarms(seeds: int, steps: int) -> None:
+def false_alarms(seeds: int, steps: int, only: str | None = None) -> None:
+    """Every configuration of the correct example over ``seeds`` seeds (``only``: labels containing it)."""
     alarms, total, worst = [], 0, 0.0
     for seed in range(seeds):
-        example = examples.correct(seed, steps=steps, fabric=seed < 3)
-        result = compare.run(example.setup, example.configurations, progress=False)
+        example = examples.correct(seed, steps=steps)
+        configs = [c for c in example.configurations if only is None or only in c.label]
+        result = compare.run(example.setup, configs, progress=False)
         for label, verdict in result.verdicts.items():
             total += 1
             worst = max(worst, verdict.max_deviation or 0.0)
             if verdict.kind != "rounding":
                 alarms.append((seed, label, verdict.kind, verdict.headline))
     print(f"false alarms on the correct example: {len(alarms)} of {total} configuration runs "
-          f"({seeds} seeds; Fabric on the first 3), largest deviation {worst:.3g}, "
+          f"({seeds} seeds{'; configurations ' + repr(only) if only else ''}), largest deviation {worst:.3g}, "
           f"load average {load_average()[0]:.2f}   (target 0)")
     for alarm in alarms:
         print("   ", alarm)
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", choices=("overhead", "alarms", "planted"))
+    parser.add_argument("--alarm-configs", help="false alarms: only configurations whose label contains this")
     parser.add_argument("--calibrate", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -167,7 +170,7 @@ def main() -> None:
     if args.only in (None, "overhead"):
         overhead(args.rounds, args.steps)
     if args.only in (None, "alarms"):
-        false_alarms(args.seeds, args.steps)
+        false_alarms(args.seeds, args.steps, args.alarm_configs)
     if args.only in (None, "planted"):
         planted(args.seeds, min(args.steps, 4))
     print(machine_line())

@@ -1,6 +1,7 @@
 """Process checks the launcher tests share."""
 from __future__ import annotations
 
+import subprocess
 import time
 
 import psutil
@@ -16,3 +17,18 @@ def all_gone(pids, within: float = 3.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def start_reading_pids(args, count: int, **popen):
+    """Start ``args`` (stdout a text pipe) and read lines until it printed ``count`` "PID <n>" lines.
+
+    Returns ``(process, pids)``; a process that ends first fails the test with its stderr.
+    """
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    pids: list[int] = []
+    while len(pids) < count:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        if line.startswith("PID"):
+            pids.append(int(line.split()[1]))
+    return proc, pids

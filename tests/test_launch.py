@@ -18,7 +18,7 @@ import ddplab
 from ddplab.launcher import (Launch, LaunchStopped, LaunchTimeout, RankDied, RankFailed,
                            launch)
 
-from processes import all_gone
+from processes import all_gone, start_reading_pids
 
 PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,14 +304,7 @@ if __name__ == "__main__":
 def test_keyboard_interrupt_stops_every_rank(tmp_path):
     script = tmp_path / "interrupt.py"
     script.write_text(INTERRUPT_SCRIPT)
-    proc = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=tmp_path)
-    pids = []
-    while len(pids) < 2:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        if line.startswith("PID"):
-            pids.append(int(line.split()[1]))
+    proc, pids = start_reading_pids([PY, str(script)], 2, cwd=tmp_path)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert "INTERRUPTED" in out, err

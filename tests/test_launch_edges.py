@@ -22,7 +22,7 @@ from ddplab import launcher
 from ddplab.launcher import (MAX_WORLD_SIZE_ENV, Launch, LaunchStopped, RankDied, RankFailed,
                              launch)
 
-from processes import all_gone
+from processes import all_gone, start_reading_pids
 
 PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,15 +130,8 @@ if __name__ == "__main__":
 def test_second_ctrl_c_still_kills_ranks_that_handle_sigterm(tmp_path):
     script = tmp_path / "stubborn.py"
     script.write_text(SIGTERM_PROOF)
-    proc = subprocess.Popen([PY, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    proc, pids = start_reading_pids([PY, str(script)], 2, stdin=subprocess.PIPE, cwd=tmp_path)
     try:
-        pids = []
-        while len(pids) < 2:
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read()
-            if line.startswith("PID"):
-                pids.append(int(line.split()[1]))
         proc.send_signal(signal.SIGINT)
         time.sleep(0.3)  # inside the SIGTERM grace period
         proc.send_signal(signal.SIGINT)

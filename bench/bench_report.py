@@ -62,9 +62,9 @@ def breakdown(out_dir: pathlib.Path) -> list[dict]:
     for case in index["cases"]:
         case_dir = out_dir / case["name"]
         launch = _launch_seconds(case_dir) if (case_dir / "results" / "records.jsonl").exists() else 0.0
-        cells = sum(s for _, s in _cell_seconds(case_dir)) if (case_dir / "notebook.ipynb").exists() else 0.0
-        run_cell = next((s for src, s in _cell_seconds(case_dir) if ".run(" in src), 0.0) \
-            if (case_dir / "notebook.ipynb").exists() else 0.0
+        timed = _cell_seconds(case_dir) if (case_dir / "notebook.ipynb").exists() else []
+        cells = sum(s for _, s in timed)
+        run_cell = next((s for src, s in timed if ".run(" in src), 0.0)
         rows.append({"case": case["name"], "status": case["status"], "total": case["seconds"],
                      "launch": launch, "run_cell_rest": max(run_cell - launch, 0.0),
                      "cells": cells - run_cell, "other": case["seconds"] - cells})

@@ -14,9 +14,7 @@ import io
 import math
 from typing import Sequence
 
-import matplotlib.pyplot as plt
 import numpy as np
-import seaborn as sns
 
 from ddplab.records import where
 
@@ -27,9 +25,23 @@ __all__ = ["show", "png_bytes", "metric_lines", "metric_heatmap", "select", "the
 DPI = 90
 
 
+# matplotlib and seaborn are imported on first use, not with this module: every
+# case's figures import it, and so does every rank that unpickles a case's worker
+# -- about 2 s of seaborn, pandas and scipy per rank for figures it never draws.
+def _pyplot():
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _seaborn():
+    import seaborn as sns
+    return sns
+
+
 @contextlib.contextmanager
 def theme():
     """ddplab's plot style, applied only inside the block."""
+    sns = _seaborn()
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
         yield
 
@@ -57,7 +69,7 @@ def show(fig, dpi: int = DPI) -> None:
         from IPython.display import Image, display
         display(Image(data=png_bytes(fig, dpi), format="png"))
     finally:
-        plt.close(fig)
+        _pyplot().close(fig)
 
 
 def metric_lines(frame, metric: str, *, x: str = "step", hue: str | None = None,
@@ -79,7 +91,7 @@ def metric_lines(frame, metric: str, *, x: str = "step", hue: str | None = None,
         if key is not None:
             data[key] = data[key].astype(str)
     with theme():
-        grid = sns.relplot(data=data, x=x, y="value", hue=hue, style=style, col=col,
+        grid = _seaborn().relplot(data=data, x=x, y="value", hue=hue, style=style, col=col,
                            kind="line", markers=style is not None, height=height, aspect=aspect,
                            facet_kws={"sharey": True}, errorbar=None)
         if log:
@@ -108,8 +120,8 @@ def metric_heatmap(frame, metric: str, *, index: str = "bucket", columns: str = 
         shown = np.log10(shown.clip(lower=floor))
         label = f"log10({label}) (zeros shown at the floor)"
     with theme():
-        fig, ax = plt.subplots(figsize=(min(14, 2 + 0.35 * table.shape[1]), 1.5 + 0.35 * table.shape[0]))
-        sns.heatmap(shown, ax=ax, cmap="viridis", cbar_kws={"label": label})
+        fig, ax = _pyplot().subplots(figsize=(min(14, 2 + 0.35 * table.shape[1]), 1.5 + 0.35 * table.shape[0]))
+        _seaborn().heatmap(shown, ax=ax, cmap="viridis", cbar_kws={"label": label})
         ax.set_xlabel(columns)
         ax.set_ylabel(index)
         if title:
@@ -130,7 +142,7 @@ def own_axes(ax=None, figsize: tuple[float, float] = (6.0, 3.6)):
     if ax is not None:
         return ax.figure, ax
     with theme():
-        fig, ax = plt.subplots(figsize=figsize)
+        fig, ax = _pyplot().subplots(figsize=figsize)
     return fig, ax
 
 
@@ -142,7 +154,7 @@ def facet_axes(n: int, *, ncols: int | None = None, width: float = 4.6, height: 
     ncols = min(n, ncols or n)
     nrows = math.ceil(n / ncols)
     with theme():
-        fig, grid = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
+        fig, grid = _pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows),
                                  sharey=sharey, sharex=sharex, squeeze=False)
     axes = list(grid.flat)
     for extra in axes[n:]:

@@ -76,6 +76,25 @@ def test_parameters_cell_mirrors_the_case(name):
     _check_parameters_cell(get_case(name))
 
 
+# What a rank does first: unpickle the case's worker, in a fresh interpreter.
+UNPICKLE_WORKER = """
+import pickle, sys
+pickle.loads(sys.stdin.buffer.read())
+print(" ".join(m for m in ("matplotlib", "seaborn", "pandas", "IPython") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("name", case_names())
+def test_a_rank_unpickling_the_worker_imports_no_plotting(name):
+    """Every rank imports its case's package; figures' libraries there cost ~2 s per rank and launch."""
+    import cloudpickle
+    payload = cloudpickle.dumps(get_case(name).worker)
+    proc = subprocess.run([sys.executable, "-c", UNPICKLE_WORKER], input=payload, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().split() == []
+
+
 @pytest.fixture(scope="session")
 def quick_reports(tmp_path_factory):
     """One quick batch of every registered case (papermill, real ranks): ``(folder, outcomes, log)``."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 from ddplab.compare import referee as _referee
@@ -159,7 +158,8 @@ def deviation_heatmap(records, config: str, ax=None, *, quantity: str = "grad"):
             param = row["param"] if row["param"] in params else _referee.MODEL
             if step in list(table.columns):
                 x, y = list(table.columns).index(step), params.index(param)
-                ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, ec="red", lw=2.2))
+                from matplotlib.patches import Rectangle
+                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, ec="red", lw=2.2))
                 ax.annotate(f"first divergence ({row['quantity']})", (x, y), xytext=(6, -10),
                             textcoords="offset points", color="red", fontsize=7)
     return fig

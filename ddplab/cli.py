@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ddplab.notebook_run import skip_iri_checker
+    skip_iri_checker()  # before any nbformat import: 2 s off every command
     opts = build_parser().parse_args(argv)
     return opts.func(opts)
 

@@ -35,7 +35,8 @@ import yaml
 
 from ddplab.process_tree import descendants, kill_all, kill_tree
 
-__all__ = ["ExecutionOutcome", "StopRequest", "execute_notebook", "STATUSES", "STOP_SIGNALS"]
+__all__ = ["ExecutionOutcome", "StopRequest", "execute_notebook", "skip_iri_checker", "STATUSES",
+           "STOP_SIGNALS"]
 
 #: What an execution can end as.
 STATUSES = ("ok", "failed", "timed out", "kernel died", "interrupted")
@@ -53,6 +54,25 @@ def _scratch_dir() -> str:
     if len(base) > MAX_TMP_BASE:
         base = next((d for d in ("/tmp", "/var/tmp") if os.access(d, os.W_OK)), base)
     return tempfile.mkdtemp(prefix="ddplab-nb-", dir=base)
+
+
+def skip_iri_checker() -> None:
+    """Keep jsonschema from loading its optional IRI checker in this process.
+
+    jsonschema imports ``rfc3987_syntax`` when it is installed (JupyterLab's
+    jupyter-events brings it), and that module builds a Lark grammar at
+    import: 1.5-2 s of every process that imports nbformat, papermill or
+    nbconvert. No notebook schema uses the "iri" format, so ddplab's own
+    processes -- its command line and the papermill runner -- do without it.
+    Call before nbformat is imported; a process that already has it keeps it.
+    """
+    sys.modules.setdefault("rfc3987_syntax", None)
+
+
+#: papermill's command line, in a process that skips the IRI checker (2 s per notebook).
+_PAPERMILL_MAIN = ("import sys; sys.modules.setdefault('rfc3987_syntax', None); "
+                   "from papermill.cli import papermill; papermill(prog_name='papermill')")
+
 #: Seconds between two looks at a running notebook.
 POLL_INTERVAL = 0.5
 _CELL_LOG = re.compile(r"Executing Cell (\d+)")
@@ -161,7 +181,7 @@ def execute_notebook(notebook: str | os.PathLike, output: str | os.PathLike, *,
     log_path = pathlib.Path(log_path or output.with_suffix(".log"))
     params_path = output.with_suffix(".params.yaml")
     params_path.write_text(yaml.safe_dump(parameters, sort_keys=False))
-    cmd = [sys.executable, "-m", "papermill", str(notebook), str(output), "-f", str(params_path),
+    cmd = [sys.executable, "-c", _PAPERMILL_MAIN, str(notebook), str(output), "-f", str(params_path),
            "-k", kernel_name, "--log-output", "--no-progress-bar", "--log-level", "INFO",
            "--autosave-cell-every", "5"]
     if cwd is not None:

@@ -13,6 +13,7 @@ import nbformat
 import pytest
 
 from ddplab.artifacts import atomic_write_text
+from ddplab.notebook_run import _PAPERMILL_MAIN
 from ddplab.parameters import Parameter, ParameterSet
 from ddplab.report import CaseSpec, case_specs, plan_batch, run_batch
 
@@ -108,6 +109,19 @@ def test_cli_rejects_bad_input_without_running(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown case 'nope'" in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["-m", "ddplab", "report", "--help"],
+                                     ["-c", _PAPERMILL_MAIN, "--help"]], ids=["ddplab", "papermill"])
+def test_ddplab_processes_skip_jsonschemas_iri_checker(command):
+    """rfc3987_syntax builds a grammar when imported (about 2 s): the CLI and the papermill runner do without."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *command], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "nbformat" in imported and "jsonschema" in imported
+    # rfc3987_syntax's import is attempted (and refused at once); its grammar library never loads.
+    assert "lark" not in imported
 
 
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):

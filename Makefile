@@ -15,6 +15,8 @@ STAMP  := $(VENV)/.ddplab-installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 REPORT_ARGS ?=
+# Notebooks `make report` runs at once: each case keeps about one core busy.
+JOBS ?= 2
 
 .PHONY: setup report test test-all lab bench gpu-check browser clean
 
@@ -38,7 +40,7 @@ browser:
 	    echo "note: could not install chromium; browser tests will be skipped"; }
 
 report: $(STAMP)
-	$(PY) -m ddplab report $(REPORT_ARGS)
+	$(PY) -m ddplab report --jobs $(JOBS) $(REPORT_ARGS)
 
 # pytest exits 5 when it collects nothing (e.g. a filtered run): that is not a pass.
 # The default suite leaves out tests marked slow (each case still runs one

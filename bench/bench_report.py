@@ -1,21 +1,28 @@
-"""Where the time of ``ddplab report`` goes: every case with default parameters, run twice.
+"""Where the time of ``ddplab report`` goes: every case with default parameters, one batch per ``--jobs``.
 
-The first run pays one-time costs (numba compiling the emulated orders into
-its on-disk cache, Python's bytecode caches); the second is what a user sees
-after that. For each case and run it prints the wall time the batch measured
-and splits it, from what the run itself recorded:
+A first batch pays one-time costs (numba compiling the emulated orders into
+its on-disk cache, Python's bytecode caches) and is not counted; then one
+batch per value of ``--jobs`` (default: 1, then 2 as ``make report`` runs),
+back to back, so their ratio is measured at the same load. For each case of
+a batch it prints the case's own time and splits it, from what the run
+itself recorded:
 
 * ``launch``: the case's launches (``launch_seconds`` records: forkserver,
   process groups, training and the measurements inside the ranks);
 * ``cells``: every other notebook cell (imports, setup, tables, figures,
   verdict), from papermill's per-cell durations;
-* ``other``: the rest -- the kernel's start and shutdown, papermill, the
-  HTML export and writing the files.
+* ``kernel, papermill``: the rest of the case's time -- papermill's start,
+  the kernel's start and shutdown, saving the notebook after each cell.
 
-Times on a shared machine move with its load, which is printed beside them.
-No target is asserted here; the README quotes the printed figures.
+The HTML export and the other files of each case are written after its time
+is taken: they are part of the batch's wall time only.
 
-    python bench/bench_report.py [--runs 2] [--keep DIR] [case ...]
+With ``--jobs 2`` two cases share the cores, so each case's own time grows
+while the batch's wall time shrinks; read the split from the ``--jobs 1``
+batch. Times on a shared machine move with its load, which is printed beside
+them. No target is asserted here; the README quotes the printed figures.
+
+    python bench/bench_report.py [--jobs 1 2] [--keep DIR] [case ...]
 """
 from __future__ import annotations
 
@@ -71,33 +78,49 @@ def breakdown(out_dir: pathlib.Path) -> list[dict]:
     return rows
 
 
+def _batch(out: pathlib.Path, cases: list[str], jobs: int) -> tuple[float, subprocess.CompletedProcess]:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ddplab", "report", *cases, "--output", str(out),
+                           "--jobs", str(jobs)], capture_output=True, text=True)
+    return time.perf_counter() - t0, proc
+
+
+def _print_breakdown(rows: list[dict]) -> None:
+    print(f"  {'case':<24} {'status':<11} {'total':>7} {'launch':>7} {'run cell, rest':>15} "
+          f"{'other cells':>12} {'kernel, papermill':>18}")
+    for r in rows:
+        print(f"  {r['case']:<24} {r['status']:<11} {r['total']:7.1f} {r['launch']:7.1f} "
+              f"{r['run_cell_rest']:15.1f} {r['cells']:12.1f} {r['other']:18.1f}")
+    print(f"  {'sum':<24} {'':<11} {sum(r['total'] for r in rows):7.1f} "
+          f"{sum(r['launch'] for r in rows):7.1f} {sum(r['run_cell_rest'] for r in rows):15.1f} "
+          f"{sum(r['cells'] for r in rows):12.1f} {sum(r['other'] for r in rows):18.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2],
+                        help="one measured batch per value, in this order (default: 1 2)")
     parser.add_argument("--keep", help="write the reports here instead of a temporary folder")
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args()
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(args.keep or tmp) / "reports"
-        for run in range(1, args.runs + 1):
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "ddplab", "report", *args.cases, "--output", str(out)],
-                                  capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            rows = breakdown(out)
-            print(f"\n== run {run}: `ddplab report {' '.join(args.cases)}` {wall:.1f} s wall, exit {proc.returncode}"
-                  f"; {machine_line()}")
-            print(f"  {'case':<24} {'status':<11} {'total':>7} {'launch':>7} {'run cell, rest':>15} "
-                  f"{'other cells':>12} {'kernel+export':>14}")
-            for r in rows:
-                print(f"  {r['case']:<24} {r['status']:<11} {r['total']:7.1f} {r['launch']:7.1f} "
-                      f"{r['run_cell_rest']:15.1f} {r['cells']:12.1f} {r['other']:14.1f}")
-            print(f"  {'sum':<24} {'':<11} {sum(r['total'] for r in rows):7.1f} "
-                  f"{sum(r['launch'] for r in rows):7.1f} {sum(r['run_cell_rest'] for r in rows):15.1f} "
-                  f"{sum(r['cells'] for r in rows):12.1f} {sum(r['other'] for r in rows):14.1f}")
+        wall, proc = _batch(out, args.cases, max(args.jobs))
+        print(f"\n== warm-up batch (not counted): {wall:.1f} s, exit {proc.returncode}")
+        walls = {}
+        for jobs in args.jobs:
+            wall, proc = _batch(out, args.cases, jobs)
+            walls[jobs] = wall
+            print(f"\n== `ddplab report {' '.join(args.cases)} --jobs {jobs}`: {wall:.1f} s wall, "
+                  f"exit {proc.returncode}; {machine_line()}")
+            _print_breakdown(breakdown(out))
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n")
+        if len(walls) > 1:
+            first = args.jobs[0]
+            print("\n" + "; ".join(f"--jobs {j}: {w:.1f} s ({w / walls[first]:.2f}x --jobs {first})"
+                                    for j, w in walls.items()))
 
 
 if __name__ == "__main__":

@@ -97,10 +97,14 @@ def test_a_rank_unpickling_the_worker_imports_no_plotting(name):
 
 @pytest.fixture(scope="session")
 def quick_reports(tmp_path_factory):
-    """One quick batch of every registered case (papermill, real ranks): ``(folder, outcomes, log)``."""
+    """One quick batch of every registered case (papermill, real ranks): ``(folder, outcomes, log)``.
+
+    Two notebooks at a time, as ``make report`` runs them.
+    """
     out = tmp_path_factory.mktemp("quick-reports")
     lines: list[str] = []
-    outcomes = run_batch(plan_batch(case_specs(), quick=True), out, timeout=400, echo=lines.append)
+    outcomes = run_batch(plan_batch(case_specs(), quick=True), out, timeout=400, echo=lines.append,
+                         jobs=2)
     return out, {o.name: o for o in outcomes}, "\n".join(lines)
 
 

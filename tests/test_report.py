@@ -15,7 +15,7 @@ import pytest
 from ddplab.artifacts import atomic_write_text
 from ddplab.notebook_run import _PAPERMILL_MAIN
 from ddplab.parameters import Parameter, ParameterSet
-from ddplab.report import CaseSpec, case_specs, plan_batch, run_batch
+from ddplab.report import CaseSpec, _longest_first, case_specs, plan_batch, run_batch
 
 from browser import check_pages_offline
 
@@ -124,6 +124,32 @@ def test_ddplab_processes_skip_jsonschemas_iri_checker(command):
     assert "lark" not in imported
 
 
+@pytest.mark.parametrize("jobs", ["0", "two"])
+def test_cli_rejects_bad_jobs_without_running(tmp_path, jobs):
+    out = tmp_path / "reports"
+    proc = subprocess.run([sys.executable, "-m", "ddplab", "report", "--jobs", jobs, "--output", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--jobs: must be a whole number >= 1" in proc.stderr
+    assert not out.exists()
+
+
+def test_run_batch_rejects_bad_jobs(tmp_path):
+    with pytest.raises(ValueError, match="jobs must be an int >= 1"):
+        run_batch([], tmp_path, jobs=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parallel_batch_starts_the_longest_cases_first(tmp_path):
+    specs = [_spec(tmp_path, name, OK_CELLS) for name in ("a", "b", "c", "d")]
+    planned = plan_batch(specs)
+    # No earlier batch here: planned order.
+    assert _longest_first(planned, tmp_path) == [0, 1, 2, 3]
+    (tmp_path / "index.json").write_text(json.dumps({"cases": [
+        {"name": "a", "seconds": 10.0}, {"name": "b", "seconds": 60.0}, {"name": "d", "seconds": 30.0}]}))
+    # c never ran here: first; then b, d, a by their last time.
+    assert _longest_first(planned, tmp_path) == [2, 1, 3, 0]
+
+
 def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     path = tmp_path / "report.html"
     atomic_write_text(path, "<html>good</html>")
@@ -229,6 +255,36 @@ def test_rerun_replaces_reports_whole(batch):
 def test_pages_render_offline_in_chromium(batch, tmp_path):
     out, _, _, _ = batch
     check_pages_offline({"index": out / "index.html", "good": out / "good" / "report.html"}, tmp_path)
+
+
+# A cell that writes when it started and ended.
+TIMED_CELL = ("import pathlib, time\n"
+              "stamp = pathlib.Path({folder!r}) / '{name}'\n"
+              "start = time.time(); time.sleep(3)\n"
+              "stamp.write_text(f'{{start}} {{time.time()}}')")
+
+
+def test_parallel_batch_runs_notebooks_side_by_side(tmp_path):
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    specs = [_spec(tmp_path, name, [TIMED_CELL.format(folder=str(stamps), name=name)] + cells)
+             for name, cells in (("good", OK_CELLS), ("broken", FAIL_CELLS))]
+    out = tmp_path / "reports"
+    lines = []
+    outcomes = run_batch(plan_batch(specs), out, timeout=120, echo=lines.append, jobs=2)
+    # Planned order and each case's own status, whatever order they finished in.
+    assert [(o.name, o.status) for o in outcomes] == [("good", "ok"), ("broken", "failed")]
+    assert "planted notebook failure" in outcomes[1].error
+    index = json.loads((out / "index.json").read_text())
+    assert [(c["name"], c["status"]) for c in index["cases"]] == [("good", "ok"), ("broken", "failed")]
+    for name in ("good", "broken"):
+        assert {"report.html", "summary.md", "notebook.ipynb"} <= {p.name for p in (out / name).iterdir()}
+        assert not list((out / name).glob(".*"))
+    # The two timed cells overlapped: both notebooks were running at once.
+    (a0, a1), (b0, b1) = (map(float, (stamps / n).read_text().split()) for n in ("good", "broken"))
+    assert max(a0, b0) < min(a1, b1), ((a0, a1), (b0, b1))
+    assert any("[1/2] good: ok" in line for line in lines)
+    assert any("[2/2] broken: failed" in line for line in lines)
 
 
 def test_rules_across_parameters_are_checked_before_running():

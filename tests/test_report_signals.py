@@ -132,6 +132,57 @@ def test_sigterm_stops_the_whole_tree_and_the_index_says_interrupted(tmp_path, s
             psutil.Process(pid).kill()
 
 
+SLEEPY_CELL = """
+import pathlib, time
+pathlib.Path({marker!r}).write_text("running")
+time.sleep(600)
+"""
+
+PARALLEL_DRIVER = """
+import pathlib, sys
+from ddplab.parameters import ParameterSet
+from ddplab.report import CaseSpec, plan_batch, run_batch
+
+specs = [CaseSpec(name=n, title=n, notebook=pathlib.Path(p), parameters=ParameterSet([]))
+         for n, p in zip(("first", "second", "third"), sys.argv[1:4])]
+outcomes = run_batch(plan_batch(specs), sys.argv[4], timeout=600, jobs=2)
+print("STATUS", [(o.name, o.status) for o in outcomes], flush=True)
+"""
+
+
+def test_sigterm_stops_every_running_notebook_of_a_parallel_batch(tmp_path, scratch):
+    markers = [tmp_path / f"running{i}" for i in range(3)]
+    notebooks = [str(_notebook(tmp_path / f"nb{i}.ipynb", SLEEPY_CELL.format(marker=str(m))))
+                 for i, m in enumerate(markers)]
+    driver = tmp_path / "driver.py"
+    driver.write_text(PARALLEL_DRIVER)
+    out = tmp_path / "reports"
+    env = {**os.environ, "TMPDIR": str(scratch),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([PY, str(driver), *notebooks, str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    tree: set[int] = set()
+    try:
+        _wait_for(markers[:2], proc)  # two notebooks at once; the third waits its turn
+        tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert "STATUS [('first', 'interrupted'), ('second', 'interrupted')]" in output, output
+        assert "not run: third" in output
+        assert not markers[2].exists()
+        assert _alive(tree) == []
+        index = json.loads((out / "index.json").read_text())
+        assert [(c["name"], c["status"]) for c in index["cases"]] == [
+            ("first", "interrupted"), ("second", "interrupted")]
+        for name in ("first", "second"):
+            assert not [p.name for p in (out / name).iterdir() if p.name.startswith(".")]
+    finally:
+        proc.kill()
+        proc.communicate()
+        for pid in _alive(tree):
+            psutil.Process(pid).kill()
+
+
 def test_sighup_and_sigint_become_stop_requests_too():
     stop = StopRequest()
     with stop.catching():

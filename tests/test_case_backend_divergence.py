@@ -351,7 +351,7 @@ def test_a_real_run_with_four_ranks_in_float32(no_leftovers):
     float32 here; the notebook test below runs the report's float64.
     """
     params = {"world_sizes": [4], "orders": ["gloo", "exact"], "steps": 2, "reproducible": False,
-              "dtype": "float32"}
+              "dtype": "float32", "audit_every": 1}
     records = case.run(params, progress=False)
     runs = set(records.loc[records["metric"] == "loss", "run"])
     assert runs == {"exact", "gloo", "gloo (repeat)"}

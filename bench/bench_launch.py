@@ -1,12 +1,14 @@
 """Launch-to-return latency: ddplab.launch vs torch.multiprocessing.spawn.
 
 W ranks each do one all_reduce, after the parent already ran a large matmul
-(the situation in a notebook). Repeat launches are measured interleaved A/B
-in one process; first launches are measured in fresh interpreters, also
-interleaved. Prints medians and ratios; asserts nothing (machines are noisy).
+(the situation in a notebook). Repeat launches are timed in one process,
+first launches in fresh interpreters; each ddplab launch next to a spawn,
+in alternating order (``_common.interleaved``). Prints the median ratio of
+the adjacent pairs with its range and the load average; asserts nothing
+(machines are noisy).
 
-Targets (issue "Foundation"): repeat launches >= 20x faster than spawn; the
-first launch in a process no slower than spawn.
+Targets: the first launch in a process no slower than spawn (ratio <= 1);
+repeat launches >= 40x faster than spawn (ratio <= 0.025).
 
 ``--setup-launches N`` also measures the distribution of process-group setup
 times over N launches of each kind, interleaved, with the load average, and
@@ -16,7 +18,7 @@ the rank's process creation to ``fn`` starting (store connection and
 rendezvous port is picked free and released first (the usual idiom), which
 races with any other launch on the machine: run nothing else meanwhile.
 
-    python bench/bench_launch.py [--rounds 5] [--world-size 4] [--setup-launches 0]
+    python bench/bench_launch.py [--rounds 9] [--world-size 4] [--setup-launches 0]
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from ddplab import launch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import interleaved, machine_line, ratio_table  # noqa: E402
 
 
 def one_allreduce():
@@ -139,7 +144,7 @@ def first_launch(kind: str, world_size: int, script: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--rounds", type=int, default=9,
                         help="first and repeat launches of each kind (0: skip that part)")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--setup-launches", type=int, default=0,
@@ -156,32 +161,44 @@ def main() -> None:
 
 
 def latency(w: int, rounds: int) -> None:
-    """First and repeat launch latency, ddplab vs spawn (medians and ratios)."""
+    """First and repeat launch latency, ddplab next to spawn: pair-ratio medians and the load."""
+    print(machine_line())
     with tempfile.TemporaryDirectory() as tmpdir:
         script = os.path.join(tmpdir, "first_launch.py")
         with open(script, "w") as fh:
             fh.write(FIRST_LAUNCH.format(bench_dir=os.path.dirname(os.path.abspath(__file__))))
-        first = {"ddplab": [], "spawn": []}
-        for _ in range(rounds):
-            for kind in ("ddplab", "spawn"):
-                first[kind].append(first_launch(kind, w, script))
+        # A fresh interpreter times its own launch; the pair's baseline is spawn's, also fresh.
+        first = _pairs("first launch", lambda: first_launch("ddplab", w, script),
+                       lambda: first_launch("spawn", w, script), rounds)
 
     a = torch.randn(2000, 2000)
     a @ a
     time_ddplab(w)  # the forkserver starts once per process
-    repeat = {"ddplab": [], "spawn": []}
-    for _ in range(rounds):
-        repeat["ddplab"].append(time_ddplab(w))
-        repeat["spawn"].append(time_spawn(w))
+    repeat = _pairs("repeat launch", lambda: time_ddplab(w), lambda: time_spawn(w), rounds)
 
-    def row(name, res):
-        d, s = statistics.median(res["ddplab"]), statistics.median(res["spawn"])
-        print(f"{name:<15} ddplab {d * 1e3:8.1f} ms   spawn {s * 1e3:8.1f} ms   "
-              f"spawn/ddplab = {s / d:6.1f}x")
+    print(f"W={w}, one all_reduce per launch, parent ran a 2000x2000 matmul; "
+          f"ratio = ddplab / torch.multiprocessing.spawn, median of {rounds} adjacent pairs")
+    ratios = {**first, **repeat}
+    print(ratio_table(ratios, {"first launch": 1.0, "repeat launch": 1 / 40}, baseline_name="spawn",
+                      unit=1e-3, unit_name="ms"))
+    for name, r in ratios.items():
+        print(f"{name}: ddplab {1 / r.median:.1f}x faster than spawn (pairs {1 / max(r.pairs):.1f}.."
+              f"{1 / min(r.pairs):.1f}x)")
 
-    print(f"W={w}, one all_reduce per launch, parent ran a 2000x2000 matmul; medians")
-    row("first launch", first)
-    row("repeat launch", repeat)
+
+def _pairs(name: str, candidate, baseline, rounds: int):
+    """``{name: Ratio}`` of the seconds each call returns (its own timing), interleaved with the baseline's."""
+    got = {"candidate": [], "baseline": []}
+
+    def keep(fn, key):
+        return lambda: got[key].append(fn())
+
+    ratios = interleaved({name: keep(candidate, "candidate")}, keep(baseline, "baseline"), rounds)
+    # The latencies the calls measured themselves, not interleaved()'s wall times
+    # (which would add a fresh interpreter's start to a first launch).
+    ratios[name].times, ratios[name].baseline = got["candidate"], got["baseline"]
+    return ratios
+
 
 if __name__ == "__main__":
     main()

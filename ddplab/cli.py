@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"seconds per notebook before it is stopped (default {DEFAULT_TIMEOUT:g})")
     report.add_argument("--jobs", type=_jobs, default=1, metavar="N",
                         help="notebooks run at once (default 1; 2 on 2 cores: the batch in about "
-                             "two thirds of the time, each case slower)")
+                             "three quarters of the time, each case slower)")
     report.set_defaults(func=_cmd_report)
     run = sub.add_parser("run", help="run a case on this rank (start it with torchrun)",
                          description="Run a case's worker (or MODULE:FUNC) on every torchrun rank; "

@@ -69,7 +69,8 @@ def skip_iri_checker() -> None:
     sys.modules.setdefault("rfc3987_syntax", None)
 
 
-#: papermill's command line, in a process that skips the IRI checker (2 s per notebook).
+#: papermill's command line, in a process that skips the IRI checker (2 s per notebook);
+#: skip_iri_checker spelled out, as importing ddplab there would import torch.
 _PAPERMILL_MAIN = ("import sys; sys.modules.setdefault('rfc3987_syntax', None); "
                    "from papermill.cli import papermill; papermill(prog_name='papermill')")
 

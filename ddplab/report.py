@@ -13,7 +13,7 @@ name and renamed, so a re-run never leaves a half-written report behind.
 ``jobs`` notebooks run at once (``--jobs``). Each case is mostly one process
 at a time -- a kernel drawing figures, a papermill waiting, two ranks
 waiting on each other -- so on 2 cores two notebooks side by side finish the
-four built-in cases in about two thirds of the time of one after the other.
+four built-in cases in about three quarters of the time of one after the other.
 Their launches then share the cores, so each case's own run time grows.
 """
 from __future__ import annotations

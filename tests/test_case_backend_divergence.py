@@ -177,6 +177,19 @@ def _set(frame, metric, value, **where):
 PARAMS = case.check_params({"steps": STEPS})
 
 
+def test_scope_says_which_steps_the_audit_measured():
+    records = _clean_records()
+    assert "The audit measured every one of the 4 steps." in case.verdict(records, PARAMS).scope
+    # audit_every=2: the audit's records of steps 1 and 3 are not there.
+    audit = records["hook"].eq("audit") & records["step"].isin([1, 3])
+    v = case.verdict(records[~audit], PARAMS)
+    assert v.all_hold, v.to_markdown()
+    assert v.scope.endswith("The audit measured steps 0, 2 of the 4 (audit_every); the parameter "
+                            "digests compare every run at every step.")
+    only_first = records["hook"].eq("audit") & records["step"].gt(0)
+    assert "The audit measured step 0 of the 4 (audit_every)" in case.verdict(records[~only_first], PARAMS).scope
+
+
 def test_verdict_holds_on_a_clean_rounding_story():
     v = case.verdict(_clean_records(), PARAMS)
     assert v.all_hold, v.to_markdown()

@@ -25,6 +25,19 @@ SCOPE = ("The audit's rounding bound covers the all-reduce of the gradient contr
          "batches, same initialization, same kernels), so the only source of divergence measured "
          "is the reduction order; drift along training is measured, not bounded.")
 
+
+def _audit_coverage(records, steps: int) -> str:
+    """The scope's last sentence: which steps the audit measured (``audit_every``)."""
+    audited = sorted({int(s) for s in where(records, "max_bound_ratio")["step"].dropna()})
+    if not audited:
+        return "No step was audited."
+    if len(audited) >= steps:
+        return f"The audit measured every one of the {steps} steps."
+    which = f"step {audited[0]}" if len(audited) == 1 else f"steps {', '.join(map(str, audited))}"
+    return (f"The audit measured {which} of the {steps} (audit_every); the parameter digests compare "
+            "every run at every step.")
+
+
 #: A relative gap between two logged losses below which no reader of a training log would
 #: call them different: a change in the sixth significant digit.
 VISIBLE_RELATIVE_GAP = 1e-6
@@ -392,7 +405,8 @@ def verdict(records, params: dict) -> Verdict:
     for f in findings:
         f.values = _not_measured_as_text(f.values)
     return Verdict(case="backend_divergence", kind=kind, summary=summary, findings=findings,
-                   values=_not_measured_as_text(values), scope=SCOPE,
+                   values=_not_measured_as_text(values),
+                   scope=f"{SCOPE} {_audit_coverage(records, steps)}",
                    key_numbers={"W=2: largest error of any order (ulp)": "w2_max_ulp",
                                 "W>2: largest error / rounding bound": "ratio:.2g",
                                 "live gloo elements equal to the emulated gloo ring": "matches_min:.2%",

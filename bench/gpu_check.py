@@ -48,15 +48,14 @@ def _nccl_sum():
     return t[0].item()
 
 
-
 def _run_case(name: str, overrides: dict):
-    """Run a registered case through its Case interface: ``(case, params, records, verdict)``."""
+    """Run a registered case through its Case interface: ``(records, verdict)``."""
     from ddplab.cases import get_case
 
     case = get_case(name)
     params = case.check_params(overrides)
     records = case.run(params, progress=False)
-    return case, params, records, case.verdict(records, params)
+    return records, case.verdict(records, params)
 
 
 def _verdict_line(verdict) -> str:
@@ -64,6 +63,7 @@ def _verdict_line(verdict) -> str:
     numbers = ", ".join(f"{label} {value}" for label, value in verdict.key_table())
     return (f"{verdict.kind}; {numbers}; "
             + ", ".join(f"{f.key}={f.holds}" for f in verdict.findings))
+
 
 def main() -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -81,7 +81,7 @@ def main() -> None:
 
     @check("case 02: CUDA fp16 norm", 1, gpus)
     def _(g):
-        case, params, records, verdict = _run_case("half_precision", {"world_size": 1, "dtypes": ["float16"]})
+        records, verdict = _run_case("half_precision", {"world_size": 1, "dtypes": ["float16"]})
         cuda = records[(records["metric"] == "norm") & (records.get("device") == "cuda")]
         norm = f"CUDA norm {cuda['value'].iloc[0]:.6g}" if len(cuda) else "no CUDA norm recorded"
         return f"{norm}; {_verdict_line(verdict)}"
@@ -90,12 +90,12 @@ def main() -> None:
     def _(g):
         return _verdict_line(_run_case("backend_divergence", {
             "world_sizes": sorted({2, min(g, 4)}), "backend": "nccl", "steps": 5,
-            "orders": ["gloo", "nccl_ring", "nccl_tree", "exact", "nccl_live_ring", "nccl_live_tree"]})[3])
+            "orders": ["gloo", "nccl_ring", "nccl_tree", "exact", "nccl_live_ring", "nccl_live_tree"]})[1])
 
     @check("case 03: .cpu()/.cuda() round trip", 2, gpus)
     def _(g):
         return _verdict_line(_run_case("device_roundtrip", {
-            "roundtrip": ["none", "device"], "framework": ["ddp"], "steps": 8})[3])
+            "roundtrip": ["none", "device"], "framework": ["ddp"], "steps": 8})[1])
 
     width = max(len(r[0]) for r in ROWS)
     print(f"\n{'check':<{width}}  {'status':<8} {'seconds':>8}  result")

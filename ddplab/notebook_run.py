@@ -196,20 +196,14 @@ def execute_notebook(notebook: str | os.PathLike, output: str | os.PathLike, *,
     finally:
         params_path.unlink(missing_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    if ended == "interrupted":
-        _, running, _ = _cell_status(output)
-        seconds = time.perf_counter() - t0
-        return ExecutionOutcome("interrupted", seconds, returncode,
-                                failing_cell=running if running is not None else cell,
-                                error=f"stopped by {stop.signal_name} after {seconds:.0f} s",
-                                log_path=str(log_path))
-    if ended == "timed out":
-        _, running, _ = _cell_status(output)
-        return ExecutionOutcome("timed out", time.perf_counter() - t0, returncode,
-                                failing_cell=running if running is not None else cell,
-                                error=f"stopped after {timeout:g} s (per-notebook timeout)",
-                                log_path=str(log_path))
     seconds = time.perf_counter() - t0
+    if ended != "exited":  # "interrupted" or "timed out": the cell that was running is named
+        _, running, _ = _cell_status(output)
+        error = (f"stopped by {stop.signal_name} after {seconds:.0f} s" if ended == "interrupted"
+                 else f"stopped after {timeout:g} s (per-notebook timeout)")
+        return ExecutionOutcome(ended, seconds, returncode,
+                                failing_cell=running if running is not None else cell,
+                                error=error, log_path=str(log_path))
     failed, running, error = _cell_status(output)
     log_text = log_path.read_text(errors="replace")
     if returncode == 0 and failed is None:

@@ -219,6 +219,9 @@ def _reproduce_command(spec: CaseSpec, shown_params: dict) -> str:
 
 #: Publishing (nbconvert, the files) takes a second; one case at a time keeps it simple.
 _PUBLISH_LOCK = threading.Lock()
+#: What a running case writes in its folder: renamed or removed once it is published.
+_EXECUTING, _NEW_RESULTS, _PROGRESS, _LOG = (".notebook.executing.ipynb", ".results.new",
+                                              ".progress.jsonl", ".papermill.log")
 
 
 def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: float,
@@ -226,9 +229,9 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
              stop: StopRequest | None = None, interactive: bool = False) -> CaseOutcome:
     case_dir = out_dir / spec.name
     case_dir.mkdir(parents=True, exist_ok=True)
-    executing = case_dir / ".notebook.executing.ipynb"
-    new_results = case_dir / ".results.new"
-    progress_file = case_dir / ".progress.jsonl"
+    executing = case_dir / _EXECUTING
+    new_results = case_dir / _NEW_RESULTS
+    progress_file = case_dir / _PROGRESS
     shutil.rmtree(new_results, ignore_errors=True)
     progress_file.unlink(missing_ok=True)
     # The kernel runs where `ddplab report` runs, so the user's relative paths (run_dir, data_root)
@@ -238,7 +241,7 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
     echo(f"[{index}/{total}] {spec.name}: started")
     outcome = execute_notebook(
         spec.notebook, executing, parameters=nb_params, timeout=timeout,
-        cwd=os.getcwd(), log_path=case_dir / ".papermill.log",
+        cwd=os.getcwd(), log_path=case_dir / _LOG,
         env={"DDPLAB_BATCH": "1", "PYTHONUNBUFFERED": "1",
              PROGRESS_FILE_ENV: str(progress_file.resolve())},
         on_poll=_progress_printer(spec.name, index, total, echo, progress_file,
@@ -256,8 +259,8 @@ def _publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, outcome, *, no
              index: int, total: int, echo: Callable[[str], None]) -> CaseOutcome:
     """Write ``out_dir/<case>/`` from a finished execution: results, report, summary, notebook, log."""
     case_dir = out_dir / spec.name
-    executing = case_dir / ".notebook.executing.ipynb"
-    _replace_dir(case_dir / ".results.new", case_dir / "results")
+    executing = case_dir / _EXECUTING
+    _replace_dir(case_dir / _NEW_RESULTS, case_dir / "results")
 
     nb = nbformat.read(executing, as_version=4) if executing.exists() else nbformat.read(spec.notebook, as_version=4)
     verdict: Verdict | None = None
@@ -306,7 +309,7 @@ def _publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, outcome, *, no
         nb.metadata.get("papermill", {}).pop("output_path", None)
         atomic_write_text(case_dir / "notebook.ipynb", nbformat.writes(nb))
         executing.unlink()
-    log = case_dir / ".papermill.log"
+    log = case_dir / _LOG
     if log.exists():
         atomic_write_text(case_dir / "papermill.log", scrub(log.read_text(errors="replace")))
         log.unlink()

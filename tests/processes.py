@@ -1,4 +1,4 @@
-"""Process checks the launcher tests share."""
+"""Process checks the launcher and report tests share."""
 from __future__ import annotations
 
 import subprocess
@@ -7,16 +7,20 @@ import time
 import psutil
 
 
-def all_gone(pids, within: float = 3.0) -> bool:
-    """True once every pid is gone or a zombie, polling for ``within`` seconds."""
+def still_alive(pids, within: float = 3.0) -> list[int]:
+    """The pids neither gone nor a zombie after polling for up to ``within`` seconds."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
+    while True:
         alive = [p for p in pids if psutil.pid_exists(p)
                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
-            return True
+        if not alive or time.monotonic() >= deadline:
+            return alive
         time.sleep(0.05)
-    return False
+
+
+def all_gone(pids, within: float = 3.0) -> bool:
+    """True once every pid is gone or a zombie, polling for ``within`` seconds."""
+    return not still_alive(pids, within)
 
 
 def start_reading_pids(args, count: int, **popen):

@@ -13,7 +13,6 @@ import ast
 import json
 import os
 import pathlib
-import re
 import socket
 import subprocess
 import sys
@@ -28,7 +27,8 @@ from ddplab.notebook import IO_PARAMETERS
 from ddplab.report import case_specs, plan_batch, run_batch
 from ddplab.verdict import KINDS, Verdict
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from readme import python_block, readme_section
+
 README_CASE_MODULE = "allreduce_sum"
 
 
@@ -136,9 +136,7 @@ def test_quick_reports_render_offline_in_chromium(quick_reports, tmp_path):
 
 
 def _readme_case_source() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Add a case", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return python_block(readme_section("Add a case"))
 
 
 @pytest.fixture(scope="module")

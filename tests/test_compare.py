@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import pathlib
-import re
 
 import pytest
 import torch
@@ -15,6 +13,8 @@ import torch
 from ddplab import compare
 from ddplab.compare import examples, referee
 from ddplab.compare.verdicts import judge
+
+from readme import python_block, readme_section
 
 STEPS = 3
 
@@ -193,8 +193,7 @@ def test_verdicts_render_as_markdown_and_as_a_ddplab_verdict(planted_run):
 
 
 def _readme_section() -> str:
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    return text.split("## Your own training", 1)[1].split("\n## ", 1)[0]
+    return readme_section("Your own training")
 
 
 def _run_readme_example(source: str) -> str:
@@ -209,7 +208,7 @@ def test_the_readme_example_finds_its_planted_bug_verbatim(warm_launcher):
     """The README's complete example, taken verbatim: under 10 lines, and it prints the table the
     README shows -- the same verdict, finding and factor in every row."""
     section = _readme_section()
-    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    source = python_block(section)
     assert len([line for line in source.splitlines() if line.strip()]) < 10
     printed = _run_readme_example(source)
     shown = [line for line in section.splitlines() if line.startswith("| ") and "**" in line
@@ -225,7 +224,7 @@ def test_the_readme_example_finds_its_planted_bug_verbatim(warm_launcher):
 
 @pytest.mark.slow
 def test_the_readme_example_with_a_mean_loss_is_rounding(warm_launcher):
-    source = re.search(r"```python\n(.*?)```", _readme_section(), re.S).group(1)
+    source = python_block(_readme_section())
     assert 'reduction="sum"' in source
     printed = _run_readme_example(source.replace('reduction="sum"', 'reduction="mean"'))
     rows = [line for line in printed.splitlines() if line.startswith("| ") and " W=" in line]

@@ -284,13 +284,10 @@ def test_step_advances_when_a_group_reduces_again():
 
 def test_readme_fsdp_example_runs_verbatim():
     """The README's FSDP2 example: every shard of every group audited, none off gloo's order."""
-    import pathlib
-    import re
+    from readme import python_block, readme_section
 
-    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = text.split("## FSDP2: the reduce-scatter, audited", 1)[1].split("\n## ", 1)[0]
     namespace: dict = {}
-    exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), namespace)
+    exec(python_block(readme_section("FSDP2: the reduce-scatter, audited")), namespace)
     res = namespace["res"]
     assert res.returns == [0, 0]
     audited = res.records.query("metric == 'matches_order'")

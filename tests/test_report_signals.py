@@ -18,6 +18,8 @@ import pytest
 
 from ddplab.notebook_run import StopRequest, execute_notebook
 
+from processes import still_alive
+
 PY = sys.executable
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,16 +39,6 @@ def _wait_for(paths, proc=None, within=180.0):
     while not all(p.exists() for p in paths):
         assert time.monotonic() < deadline, f"not written within {within} s: {paths}"
         assert proc is None or proc.poll() is None, proc.stdout.read()
-        time.sleep(0.1)
-
-
-def _alive(pids) -> list[int]:
-    deadline = time.monotonic() + 5
-    while True:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive or time.monotonic() > deadline:
-            return alive
         time.sleep(0.1)
 
 
@@ -115,7 +107,7 @@ def test_sigterm_stops_the_whole_tree_and_the_index_says_interrupted(tmp_path, s
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
         assert "STATUS interrupted | stopped by SIGTERM" in output, output
-        assert _alive(tree) == []
+        assert still_alive(tree, within=5) == []
         index = json.loads((out / "index.json").read_text())
         assert [(c["name"], c["status"]) for c in index["cases"]] == [("stuck", "interrupted")]
         case = out / "stuck"
@@ -128,7 +120,7 @@ def test_sigterm_stops_the_whole_tree_and_the_index_says_interrupted(tmp_path, s
     finally:
         proc.kill()
         proc.communicate()
-        for pid in _alive(tree):  # on failure, leave nothing running
+        for pid in still_alive(tree, within=5):  # on failure, leave nothing running
             psutil.Process(pid).kill()
 
 
@@ -170,7 +162,7 @@ def test_sigterm_stops_every_running_notebook_of_a_parallel_batch(tmp_path, scra
         assert "STATUS [('first', 'interrupted'), ('second', 'interrupted')]" in output, output
         assert "not run: third" in output
         assert not markers[2].exists()
-        assert _alive(tree) == []
+        assert still_alive(tree, within=5) == []
         index = json.loads((out / "index.json").read_text())
         assert [(c["name"], c["status"]) for c in index["cases"]] == [
             ("first", "interrupted"), ("second", "interrupted")]
@@ -179,7 +171,7 @@ def test_sigterm_stops_every_running_notebook_of_a_parallel_batch(tmp_path, scra
     finally:
         proc.kill()
         proc.communicate()
-        for pid in _alive(tree):
+        for pid in still_alive(tree, within=5):
             psutil.Process(pid).kill()
 
 
@@ -229,7 +221,7 @@ def test_a_killed_kernel_leaves_no_temporary_folders(tmp_path, scratch, monkeypa
                                env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     assert outcome.status in ("kernel died", "failed"), outcome
     assert sorted(p.name for p in markers.iterdir()) == ["rank0", "rank1", "tmpdir"]  # the ranks ran
-    assert _alive(_rank_pids([markers / "rank0", markers / "rank1"])) == []
+    assert still_alive(_rank_pids([markers / "rank0", markers / "rank1"]), within=5) == []
     assert pathlib.Path((markers / "tmpdir").read_text()).parent == scratch  # the kernel's own folder ...
     assert list(scratch.iterdir()) == []  # ... is gone, with ddplab-launch-* and pymp-* in it
 
@@ -269,7 +261,8 @@ def test_sigterm_to_ddplab_report_stops_a_builtin_case(tmp_path, scratch):
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM, output
-        assert _alive(tree) == [], [psutil.Process(p).cmdline() for p in _alive(tree)]
+        left = still_alive(tree, within=5)
+        assert left == [], [psutil.Process(p).cmdline() for p in left]
         index = json.loads((out / "index.json").read_text())
         assert [(c["name"], c["status"]) for c in index["cases"]] == [("backend_divergence", "interrupted")]
         assert "stopped by SIGTERM" in index["cases"][0]["error"]
@@ -278,5 +271,5 @@ def test_sigterm_to_ddplab_report_stops_a_builtin_case(tmp_path, scratch):
     finally:
         proc.kill()
         proc.communicate()
-        for pid in _alive(tree):
+        for pid in still_alive(tree, within=5):
             psutil.Process(pid).kill()

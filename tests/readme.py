@@ -1,0 +1,17 @@
+"""The README's sections and code examples, for the tests that run them verbatim."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_section(title: str) -> str:
+    """The text of the README's ``## title`` section, up to the next ``## `` heading."""
+    return README.read_text().split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def python_block(text: str) -> str:
+    """The first ```python block of ``text``."""
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)

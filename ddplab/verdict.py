@@ -33,7 +33,7 @@ __all__ = ["Finding", "Verdict", "VERDICT_MIME", "KINDS", "verdicts_from_noteboo
 VERDICT_MIME = "application/vnd.ddplab.verdict+json"
 
 #: Verdict kinds: what the measurements establish about the reported behaviour.
-KINDS = ("rounding", "bug", "by design", "undetermined", "unexplained")
+KINDS = ("exact", "rounding", "bug", "by design", "undetermined", "unexplained")
 
 
 @dataclasses.dataclass

@@ -28,10 +28,11 @@ from ddplab import launcher as _launcher
 from ddplab import records as _records
 from ddplab.compare import localization as _localization
 from ddplab.compare import referee as _referee
-from ddplab.compare.configurations import Configuration, Fabric, FSDP2, check_configurations
+from ddplab.compare import replay as _replay
+from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
 from ddplab.compare.runners import (RunSpec, configuration_worker, load_capture, reference_runs,
                                     reference_worker)
-from ddplab.compare.setup import Setup, SetupError, check_setup
+from ddplab.compare.setup import Setup, SetupError, check_setup, global_batches
 from ddplab.compare.verdicts import ConfigVerdict, comparison_verdict, judge, verdicts_markdown
 from ddplab.numerics import unit_roundoff
 
@@ -162,6 +163,24 @@ def _band_run(config: Configuration, runs: list[RunSpec]) -> RunSpec:
     raise AssertionError(f"no reference run for precision {config.precision()}")
 
 
+def _compression(config: Configuration) -> str | None:
+    """The low precision a configuration's comm hook reduces in, when it compresses."""
+    from ddplab import comm_hooks
+
+    hook = getattr(config, "comm_hook", None)
+    dtype = getattr(comm_hooks, "COMPRESSION_DTYPE", {}).get(hook) if hook is not None else None
+    return str(dtype).replace("torch.", "") if dtype is not None else None
+
+
+def _promise_id(runs: list[RunSpec], config: Configuration) -> str | None:
+    """The run id of the float64 promise of ``config``'s W and k, if one ran."""
+    for spec in runs:
+        if spec.world_size > 1 or spec.k > 1:
+            if (spec.world_size, spec.k) == (config.world_size, config.k) and not isinstance(config, Custom):
+                return spec.run_id
+    return None
+
+
 def _unit(spec: RunSpec, dtype: torch.dtype) -> float:
     """Unit roundoff of the dtype ``spec`` computes in (the model's ``dtype`` unless mixed precision)."""
     return unit_roundoff(spec.param_dtype or spec.dtype or dtype)
@@ -172,7 +191,7 @@ def _reference_records(root: str, runs: list[RunSpec], steps: int, dtype: torch.
     truth = caps["truth"]
     recs = []
     for spec in runs:
-        if spec.label == "truth":
+        if spec.label == "truth" or spec.world_size > 1 or spec.k > 1:  # the promises are judged per configuration
             continue
         for step, cap in enumerate(caps[spec.run_id][:len(truth)]):
             for quantity in _referee.QUANTITIES:
@@ -222,9 +241,11 @@ def _reduction_records(config: Configuration, ranks: list[list[dict]]) -> list[d
     return out
 
 
-def _status_record(config: Configuration, status: str, steps_done: int, error: BaseException | None) -> dict:
+def _status_record(config: Configuration, status: str, steps_done: int, error: BaseException | None,
+                   **facts) -> dict:
     labels = dict(config=config.label, status=status, **{k: v for k, v in config.describe().items()
                                                           if k != "config" and v is not None})
+    labels.update({k: v for k, v in facts.items() if v not in (None, "")})
     if error is not None:
         labels["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         rank = getattr(error, "rank", None)
@@ -267,7 +288,8 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
     steps = facts["steps"]
-    runs = reference_runs(configs)
+    runs = reference_runs(configs, promises=not facts["random"])
+    batches = global_batches(setup, steps)
     bars = _Progress(steps, progress is True, progress if callable(progress) else None)
     streamed: list[dict] = []
 
@@ -330,8 +352,15 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
                     records += recs
                     done = len(ranks[0])
                     records += _reduction_records(config, ranks)
+                    records += _replay.replay_records(setup, config, ranks, batches)
+                    promise = caps.get(_promise_id(runs, config))
+                    if promise is not None:
+                        records += _replay.semantic_records(setup, config, promise, caps)
                     records += _localization.localize(setup, config, caps, ranks, recs)
-                records.append(_status_record(config, status, done, error))
+                records.append(_status_record(config, status, done, error,
+                                              no_replay=_replay.unavailable(setup, config),
+                                              random=facts["random"] or None,
+                                              compression=_compression(config)))
     finally:
         bars.close()
     frame = _records.to_frame(records)

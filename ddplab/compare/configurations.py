@@ -216,6 +216,8 @@ class StepContext:
     is the global batch; ``shard`` this rank's share of it and
     ``micro_batches`` the share cut into ``k`` parts (each a tuple
     ``(inputs..., target)``). ``step``, ``rank``, ``world_size``, ``k`` say where it is.
+    Call :meth:`apply_before_step` between the reduction and ``optimizer.step()``
+    to run the setup's ``before_step`` (e.g. clipping), as the reference does.
     """
 
     model: torch.nn.Module
@@ -228,6 +230,12 @@ class StepContext:
     rank: int
     world_size: int
     k: int
+    before_step: Callable | None = None
+
+    def apply_before_step(self) -> None:
+        """The setup's ``before_step(model)``, if it has one."""
+        if self.before_step is not None:
+            self.before_step(self.model)
 
     def forward_loss(self, batch: tuple) -> torch.Tensor:
         """``loss(model(*inputs), target)`` for a batch ``(inputs..., target)``."""

@@ -230,10 +230,11 @@ def localize(setup: Setup, config: Configuration, caps: dict, ranks: list[list[d
         out.append(record("piece_weight", value, piece=j, piece_rank=j // config.k, micro=j % config.k, **fit))
     weights = classify_weights(rho, tol) if max(resid_truth, resid_config) <= tol else \
         dict(kind="weights", factor=math.nan, missing=[])
-    grads_agree = weights["kind"] == "same" or quantity == "param"
+    # "update" only when no gradient left the band at that step: a gradient beyond it whose
+    # piece weights look the same is a different computation, not an update difference.
     if desync_step is not None and desync_step <= step:
         kind = "desync"
-    elif grads_agree:
+    elif quantity == "param":
         kind = "update"
     elif weights["kind"] in ("factor", "missing_contribution"):
         kind = weights["kind"]
@@ -255,3 +256,23 @@ def localize(setup: Setup, config: Configuration, caps: dict, ranks: list[list[d
         for series, vec in (("reference", g_ref), ("config", g_config), ("missing", missing_part)):
             out.append(record("sample_grad", float(vec[i]), series=series, element=int(i), **fit))
     return out
+
+
+def semantic_fit(setup: Setup, config: Configuration, step: int, g_promise: dict, caps: dict) -> dict:
+    """The kind of a semantic difference at ``step``: the float64 promise's gradient fitted on the
+    pieces' gradients like the configuration's (``{"kind", "factor", "factor_name", "missing",
+    "residual"}``; kind "other" when it is no factor and no missing contribution)."""
+    truth = caps["truth"]
+    names = list(truth[step]["grads"])
+    like = truth[step]["grads"]
+    before = truth[step - 1]["params"] if step > 0 else None
+    _, basis = piece_gradients(setup, step, config.pieces, before)
+    a_truth, _ = fit_weights(basis, _flat(like, names, like))
+    a_promise, resid = fit_weights(basis, _flat(g_promise, names, like))
+    weights = classify_weights(a_promise / a_truth, FIT_TOLERANCE) if resid <= FIT_TOLERANCE else \
+        dict(kind="weights", factor=math.nan, missing=[])
+    kind = weights["kind"] if weights["kind"] in ("factor", "missing_contribution") else "other"
+    factor = weights["factor"]
+    return dict(kind=kind, factor=factor, residual=resid, missing=weights["missing"],
+                factor_name=name_factor(factor, config.world_size, config.k, FIT_TOLERANCE)
+                if factor == factor else None)

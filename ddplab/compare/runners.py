@@ -15,13 +15,17 @@ steps that finished. Each rank also emits ``loss``, ``grad_norm`` and
 ``optimizer_steps`` records, labelled ``config``, which stream back while
 it runs (progress).
 
-Where ddplab knows the reduction exactly, the ranks also keep what the
-collective saw. DDP (and Fabric's DDP) without a user comm hook reduces
-through :func:`_capture_hook`: DDP's own reduction (bitwise what DDP does
-without a hook) that also keeps each bucket's local contribution and result;
-the parent then checks the result against gloo's ring order bit for bit
-(:func:`ddplab.numerics.measure`). FSDP2's reduce-scatters are audited in the
-ranks by :func:`ddplab.fsdp.attach_audit`, whose records stream back.
+For the specification replay (:mod:`ddplab.compare.replay`) every step's
+file also holds the rank's state *before* the step -- torch's RNG state,
+the model's buffers, the thread count -- and the optimizer's state after
+it (the next step's state before), plus a digest of every module's forward
+output (:class:`ForwardDigests`), so that the parent can re-execute each
+rank's step on its own and name the first module that computed otherwise.
+DDP (and Fabric's DDP) reduces through :func:`_capture_hook`, which keeps
+each bucket's parameters, local contribution and result around DDP's own
+reduction (bitwise what DDP does without a hook) or the user's comm hook.
+FSDP2's reduce-scatters are audited in the ranks by
+:func:`ddplab.fsdp.attach_audit`, whose records stream back.
 
 The reference runs (:func:`reference_worker`) train the whole global batch
 in one process: in the model's dtype (``reference``), in float64 (``truth``,
@@ -42,10 +46,11 @@ import torch.distributed as dist
 
 from ddplab import records as _records
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric, StepContext
-from ddplab.compare.setup import (Setup, SetupError, cast_batch, forward_loss, global_batches,
-                                  model_digest, named_trainable, split)
+from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_batch, forward_loss,
+                                  global_batches, model_digest, named_trainable, split)
 
-__all__ = ["RunSpec", "Capture", "BucketCapture", "capture_path", "load_capture", "reference_worker",
+__all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
+           "capture_path", "load_capture", "reference_worker",
            "configuration_worker", "reference_runs"]
 
 
@@ -72,11 +77,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 class BucketCapture:
-    """State of :func:`_capture_hook`: the buckets of the current step, named by their parameters."""
+    """State of :func:`_capture_hook`: the buckets of the current step, named by their parameters.
 
-    def __init__(self, named: list):
+    ``hook``/``hook_state`` is the user's comm hook the capture wraps (None:
+    DDP's own reduction, :func:`ddplab.comm_hooks.ddp_default_hook`).
+    """
+
+    def __init__(self, named: list, hook: Callable | None = None, hook_state: Any = None):
         self.names = {id(p): n for n, p in named}
         self.buckets: list[dict] = []
+        self.hook, self.hook_state = hook, hook_state
 
     def take(self) -> list[dict]:
         out, self.buckets = self.buckets, []
@@ -86,20 +96,75 @@ class BucketCapture:
 def _capture_hook(state, bucket):
     # No annotations: DDP compares them with dist.GradBucket as objects, and this
     # module's are strings (from __future__ import annotations).
-    """DDP's own reduction (:func:`ddplab.comm_hooks.ddp_default_hook`, bitwise what DDP does
-    without a hook), keeping this rank's contribution and the reduced result of each bucket."""
+    """The bucket's reduction -- the user's hook, or DDP's own (bitwise what DDP does without
+    a hook) -- keeping this rank's contribution, the reduced result and the bucket's parameters."""
     from ddplab.comm_hooks import ddp_default_hook
 
     local = bucket.buffer().detach().clone()  # before the in-place reduction
     index = bucket.index()
-    params = ",".join(state.names.get(id(p), "?") for p in bucket.parameters())
+    names = [state.names.get(id(p), "?") for p in bucket.parameters()]
 
     def keep(fut: torch.futures.Future) -> torch.Tensor:
-        result = fut.value()
-        state.buckets.append(dict(index=index, params=params, local=local, result=result.detach().clone()))
-        return result
+        value = fut.value()
+        result = value[0] if isinstance(value, (list, tuple)) else value
+        state.buckets.append(dict(index=index, params=",".join(names), names=names, local=local,
+                                  result=result.detach().clone()))
+        return value
 
-    return ddp_default_hook(None, bucket).then(keep)
+    if state.hook is None:
+        return ddp_default_hook(None, bucket).then(keep)
+    return state.hook(state.hook_state, bucket).then(keep)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """BLAKE2b of a tensor's dtype, shape and bytes: equal iff bitwise equal."""
+    import hashlib
+
+    t = t.detach().cpu().contiguous()
+    h = hashlib.blake2b(f"{t.dtype}:{tuple(t.shape)}".encode(), digest_size=16)
+    if t.numel():
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class ForwardDigests:
+    """Forward hooks that keep ``(module name, digest of its output)`` per call, in call order.
+
+    The replay runs the same hooks on its own model copy: the first call
+    whose digest differs names the module that computed otherwise -- with
+    every earlier module's output equal, its input was the same.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls: list[tuple[str, str]] = []
+        self.handles = [m.register_forward_hook(self._hook(name or "(model)"))
+                        for name, m in module.named_modules()]
+
+    def _hook(self, name: str):
+        def hook(module, args, output):
+            t = output[0] if isinstance(output, (list, tuple)) and output else output
+            if isinstance(t, torch.Tensor):
+                if hasattr(t, "full_tensor"):  # a DTensor output stays local; digest the local part
+                    t = t.to_local()
+                self.calls.append((name, tensor_digest(t)))
+        return hook
+
+    def take(self) -> list[tuple[str, str]]:
+        out, self.calls = self.calls, []
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with every tensor cloned (FSDP2's sharded ones gathered to full)."""
+    sd = optimizer.state_dict()
+    state = {key: {name: _full(v) if isinstance(v, torch.Tensor) else v for name, v in entry.items()}
+             for key, entry in sd["state"].items()}
+    import copy
+    return dict(state=state, param_groups=copy.deepcopy(sd["param_groups"]))
 
 
 class Capture:
@@ -107,21 +172,37 @@ class Capture:
 
     ``named`` is the ``(name, parameter)`` list to capture (the names of the
     unwrapped model); ``buckets``, a :class:`BucketCapture` whose buckets go
-    into the step's file too. :meth:`finish` writes the step's file and
-    emits its records.
+    into the step's file too; ``module``, the unwrapped model, whose buffers
+    and forward digests (:class:`ForwardDigests`) are kept for the replay.
+    :meth:`begin` notes the state before a step (RNG, buffers, threads),
+    :meth:`finish` writes the step's file and emits its records.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
-                 label: str, rank: int, buckets: BucketCapture | None = None):
+                 label: str, rank: int, buckets: BucketCapture | None = None,
+                 module: torch.nn.Module | None = None):
         self.named = named
+        self.optimizer = optimizer
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
         self.grads: dict[str, torch.Tensor] | None = None
         self.params: dict[str, torch.Tensor] | None = None
+        self.optim: dict | None = None
         self.calls = 0
         self.buckets = buckets
+        self.module = module
+        self.digests = ForwardDigests(module) if module is not None else None
+        self.before: dict = {}
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
+
+    def begin(self) -> None:
+        """Note the rank's state before a step: what the replay starts that step from."""
+        self.before = dict(rng=torch.get_rng_state(), threads=torch.get_num_threads())
+        if self.module is not None:
+            self.before["buffers"] = {n: _full(b) for n, b in self.module.named_buffers()}
+        if self.digests is not None:
+            self.digests.take()
 
     def _before(self, optimizer, args, kwargs) -> None:
         self.calls += 1
@@ -130,15 +211,20 @@ class Capture:
 
     def _after(self, optimizer, args, kwargs) -> None:
         self.params = {n: _full(p) for n, p in self.named}
+        if self.calls == 1:
+            self.optim = optimizer_state(optimizer)
 
     def finish(self, step: int, loss: float | None) -> None:
         if self.calls == 0:
             raise RuntimeError(f"{self.label}: optimizer.step() was not called in step {step}")
         grads = self.grads
         norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))) if grads else 0.0
-        data = dict(grads=grads, params=self.params, loss=loss, optimizer_steps=self.calls)
+        data = dict(grads=grads, params=self.params, loss=loss, optimizer_steps=self.calls,
+                    optimizer=self.optim, **self.before)
         if self.buckets is not None:
             data["buckets"] = self.buckets.take()
+        if self.digests is not None:
+            data["forward"] = self.digests.take()
         path = capture_path(self.root, self.run_id, step, self.rank)
         torch.save(data, path + ".tmp")
         os.replace(path + ".tmp", path)  # a capture that exists is complete
@@ -147,7 +233,8 @@ class Capture:
             _records.emit("loss", loss, step=step, rank=self.rank, **labels)
         _records.emit("grad_norm", norm, step=step, rank=self.rank, **labels)
         _records.emit("optimizer_steps", self.calls, step=step, rank=self.rank, **labels)
-        self.grads = self.params = None
+        self.grads = self.params = self.optim = None
+        self.before = {}
         self.calls = 0
 
 
@@ -174,14 +261,22 @@ class RunSpec:
     dtype: torch.dtype | None = None          # None: the model's own dtype
     param_dtype: torch.dtype | None = None    # compute dtype of forward/backward (mixed precision)
     reduce_dtype: torch.dtype | None = None   # the gradient is rounded to it
+    world_size: int = 1                       # > 1: the data-parallel promise, executed in one process
+    k: int = 1                                # micro-batches per rank of that promise
 
 
 def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def reference_runs(configurations: list[Configuration]) -> list[RunSpec]:
-    """The reference, the float64 truth, and one precision-matched reference per mixed precision."""
+def promise_label(world_size: int, k: int) -> str:
+    """The run id of the float64 data-parallel promise for W ranks and k micro-batches."""
+    return f"promise W={world_size} k={k}"
+
+
+def reference_runs(configurations: list[Configuration], *, promises: bool = True) -> list[RunSpec]:
+    """The reference, the float64 truth, one precision-matched reference per mixed precision, and
+    (``promises``) the float64 data-parallel promise of every (W, k) a built-in configuration uses."""
     runs = [RunSpec("reference", "reference"), RunSpec("truth", "truth", dtype=torch.float64)]
     seen = set()
     for c in configurations:
@@ -195,7 +290,28 @@ def reference_runs(configurations: list[Configuration]) -> list[RunSpec]:
                  if p]
         label = "reference " + "/".join(parts)
         runs.append(RunSpec(label, f"ref{len(runs)}", param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    shapes = dict.fromkeys((c.world_size, c.k) for c in configurations if not isinstance(c, Custom))
+    if promises:
+        for world, k in shapes:
+            label = promise_label(world, k)
+            runs.append(RunSpec(label, f"promise{len(runs)}", dtype=torch.float64, world_size=world, k=k))
     return runs
+
+
+def _promise_backward(model, setup: Setup, batch: tuple, world: int, k: int) -> float:
+    """What DDP/FSDP promise for one step, in one process: every rank's k micro-batch losses, each
+    divided by k, backpropagated on the same weights, and the sum of the ranks' gradients divided by W."""
+    total = 0.0
+    for piece in split(batch, world * k):
+        loss = forward_loss(model, setup.loss, piece)
+        if k > 1:
+            loss = loss / k
+        loss.backward()
+        total += float(loss.detach())
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(world)
+    return total / world
 
 
 def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> None:
@@ -210,7 +326,9 @@ def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> N
     for step, batch in enumerate(batches):
         batch = cast_batch(batch, spec.dtype)
         optimizer.zero_grad(set_to_none=True)
-        if spec.param_dtype is None:
+        if spec.world_size > 1 or spec.k > 1:
+            loss = _promise_backward(model, setup, batch, spec.world_size, spec.k)
+        elif spec.param_dtype is None:
             loss = forward_loss(model, setup.loss, batch)
         else:
             # Compute in param_dtype from the master weights, as FSDP2's
@@ -220,7 +338,9 @@ def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> N
             inputs = cast_batch(batch, spec.param_dtype, target=False)
             out = torch.func.functional_call(model, low, inputs[:-1])
             loss = setup.loss(out, inputs[-1])
-        loss.backward()
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+        apply_before_step(setup, model)
         optimizer.step()
         capture.finish(step, _loss_value(loss))
 
@@ -264,13 +384,12 @@ def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     if config.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = config.bucket_cap_mb
     model = DistributedDataParallel(raw, **kwargs)
-    buckets = None
-    if config.comm_hook is not None:
-        state = config.hook_state() if config.hook_state is not None else None
-        model.register_comm_hook(state, config.comm_hook)
-    else:
-        buckets = BucketCapture(named_trainable(raw))
-        model.register_comm_hook(buckets, _capture_hook)
+    # Every bucket is kept for the replay, around DDP's own reduction or the user's hook.
+    hook_state = None
+    if config.comm_hook is not None and config.hook_state is not None:
+        hook_state = config.hook_state()
+    buckets = BucketCapture(named_trainable(raw), config.comm_hook, hook_state)
+    model.register_comm_hook(buckets, _capture_hook)
     optimizer = setup.optimizer(model.parameters())
     return _Trainer(model, optimizer, optimizer, lambda loss: loss.backward(), model.no_sync, buckets)
 
@@ -337,6 +456,7 @@ def _builtin_step(trainer: _Trainer, setup: Setup, micro_batches: list) -> float
                 loss = loss / k
             trainer.backward(loss)
         total += float(loss.detach())
+    apply_before_step(setup, trainer.model)
     trainer.optimizer.step()
     return total
 
@@ -373,14 +493,16 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
         raise ValueError(f"no runner for configuration {type(config).__name__}")
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
-                      rank=rank, buckets=trainer.buckets if trainer is not None else None)
+                      rank=rank, buckets=trainer.buckets if trainer is not None else None, module=raw)
     for step, batch in enumerate(batches):
+        capture.begin()
         pieces = split(batch, world * config.k)
         micro = pieces[rank * config.k:(rank + 1) * config.k]
         if trainer is None:
             shard = tuple(torch.cat(parts) for parts in zip(*micro))
             ctx = StepContext(model=model, optimizer=optimizer, loss=setup.loss, batch=batch, shard=shard,
-                              micro_batches=micro, step=step, rank=rank, world_size=world, k=config.k)
+                              micro_batches=micro, step=step, rank=rank, world_size=world, k=config.k,
+                              before_step=setup.before_step)
             loss = _loss_value(config.train_step(ctx))
         else:
             loss = _builtin_step(trainer, setup, micro)

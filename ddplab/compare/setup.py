@@ -10,7 +10,11 @@ that every rank rebuilds the same training from it:
   the samples along dim 0: the model is called on the inputs, the loss on
   ``(output, target)``;
 * ``loss(output, target)`` returns a 0-dim tensor;
-* ``optimizer(params)`` returns a ``torch.optim.Optimizer`` over ``params``.
+* ``optimizer(params)`` returns a ``torch.optim.Optimizer`` over ``params``;
+* ``before_step(model)`` (optional) runs after the gradients are reduced and
+  before ``optimizer.step()``, in the reference and in every built-in
+  configuration alike: the place for ``clip_grad_norm_`` or any other
+  change to the reduced gradient that the training does.
 
 :func:`check_setup` tries all of it once in this process, before any rank
 starts, and raises a :class:`SetupError` (a ValueError) that names what is
@@ -28,7 +32,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["Setup", "SetupError", "check_setup", "split", "cast_batch", "model_digest",
-           "named_trainable", "global_batches"]
+           "named_trainable", "global_batches", "apply_before_step", "forward_loss"]
 
 
 class SetupError(ValueError):
@@ -47,7 +51,8 @@ class Setup:
         >>> setup = Setup(model=lambda: (torch.manual_seed(0), nn.Linear(4, 2))[1],
         ...               batches=[(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 3,
         ...               loss=nn.functional.cross_entropy,
-        ...               optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+        ...               optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        ...               before_step=lambda model: nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     """
 
     model: Callable[[], nn.Module]
@@ -55,6 +60,7 @@ class Setup:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizer: Callable[[Any], torch.optim.Optimizer]
     name: str = "setup"
+    before_step: Callable[[nn.Module], Any] | None = None
 
     def build_model(self, dtype: torch.dtype | None = None) -> nn.Module:
         """A fresh model, converted to ``dtype`` when given (the float64 truth)."""
@@ -111,6 +117,12 @@ def cast_batch(batch: tuple, dtype: torch.dtype | None, *, target: bool = True) 
     last = len(batch) - 1
     return tuple(t.to(dtype) if t.is_floating_point() and (target or i < last) else t
                  for i, t in enumerate(batch))
+
+
+def apply_before_step(setup: Setup, model: nn.Module) -> None:
+    """``setup.before_step(model)`` when the setup has one (after the reduction, before ``step()``)."""
+    if setup.before_step is not None:
+        setup.before_step(model)
 
 
 def forward_loss(model: nn.Module, loss_fn: Callable, batch: tuple) -> torch.Tensor:
@@ -215,11 +227,13 @@ def check_setup(setup: Setup, *, steps: int | None = None,
     size, the same per-sample shapes at every step, and splits into the
     pieces each configuration needs (``divisors``: name -> ranks ×
     micro-batches); the loss of batch 0 is a finite 0-dim tensor with a
-    gradient, and the forward pass is deterministic (two passes agree
-    bitwise; dropout is not); the optimizer builds; the float64 copy runs;
-    the setup pickles. Returns facts the comparison needs: ``dtype``,
-    ``steps``, ``digest`` (of the initial weights), ``params`` (names),
-    ``numel``.
+    gradient, and the forward pass is deterministic given torch's
+    random-number state (two passes from the same state agree bitwise:
+    dropout is fine, randomness from elsewhere is not); the optimizer
+    builds; the float64 copy runs; the setup pickles. Returns facts the
+    comparison needs: ``dtype``, ``steps``, ``digest`` (of the initial
+    weights), ``params`` (names), ``numel``, ``random`` (the forward pass
+    draws random numbers).
     """
     import cloudpickle
 
@@ -228,10 +242,18 @@ def check_setup(setup: Setup, *, steps: int | None = None,
     for field in ("loss", "optimizer"):
         if not callable(getattr(setup, field)):
             raise SetupError(f"setup.{field} must be callable, got {type(getattr(setup, field)).__name__}")
+    if setup.before_step is not None and not callable(setup.before_step):
+        raise SetupError(f"setup.before_step must be None or a callable taking the model, "
+                         f"got {type(setup.before_step).__name__}")
     model = _check_model(setup)
     batches = _check_batches(setup, steps, divisors or {})
     batch = batches[0]
+    # The replay referee restores each rank's RNG state, so a forward pass that
+    # draws random numbers (dropout) is fine as long as the same state gives the
+    # same output; randomness from elsewhere (the clock, threads) is not.
+    rng = torch.get_rng_state()
     out = _call("the model's forward pass on batch 0", lambda: model(*batch[:-1]))
+    random = not torch.equal(rng, torch.get_rng_state())
     if not isinstance(out, torch.Tensor):
         raise SetupError(f"the model must return a tensor, got {type(out).__name__}")
     loss = _call("setup.loss(output, target) on batch 0", setup.loss, out, batch[-1])
@@ -243,11 +265,15 @@ def check_setup(setup: Setup, *, steps: int | None = None,
         raise SetupError("setup.loss returned a tensor without a gradient (is the output detached?)")
     if not torch.isfinite(loss):
         raise SetupError(f"setup.loss is {loss.item()} on batch 0 at the initial weights")
+    after = torch.get_rng_state()
+    torch.set_rng_state(rng)
     again = model(*batch[:-1])
+    torch.set_rng_state(after)
     if not torch.equal(out.detach(), again.detach()):
-        raise SetupError("the model's forward pass is not deterministic: two passes on batch 0 differ "
-                         "(dropout or other randomness?). Disable it; the comparison needs the same "
-                         "function on every rank and in the reference")
+        raise SetupError("the model's forward pass is not deterministic: two passes on batch 0 from the "
+                         "same random-number state differ (randomness outside torch's generator, or a "
+                         "nondeterministic kernel). Remove it; the comparison needs the same function on "
+                         "every rank and in the replay")
     _call("loss.backward() on batch 0", loss.backward)
     opt = _call("setup.optimizer(model.parameters())", setup.optimizer, model.parameters())
     if not isinstance(opt, torch.optim.Optimizer):
@@ -262,4 +288,4 @@ def check_setup(setup: Setup, *, steps: int | None = None,
     fresh = setup.build_model()
     named = named_trainable(fresh)
     return dict(dtype=named[0][1].dtype, steps=len(batches), digest=model_digest(fresh),
-                params=[n for n, _ in named], numel=sum(p.numel() for _, p in named))
+                params=[n for n, _ in named], numel=sum(p.numel() for _, p in named), random=random)

@@ -26,25 +26,32 @@ FAILED_STATUSES = ("crashed", "hung", "stopped")
 #: (exact arithmetic): its distance measures no rounding, so there is no band.
 DEGENERATE_FRACTION = 1e-3
 #: What a comparison's verdict covers.
-SCOPE = ("covers every compared step's gradient at optimizer.step() and the parameters after it, "
-         "parameter by parameter, each judged by its distance from a float64 run of the same "
-         "training against the reference's own distance (forward, backward, reduction and update "
-         "together); the collectives themselves bit for bit where ddplab emulates them (DDP's "
-         "all-reduce and FSDP2's reduce-scatter on gloo); not steps after the last one compared, "
-         "nor effects outside the captured gradients and parameters (buffers, data loading)")
+SCOPE = ("covers every compared step of every rank: the replicas' gradients and parameters against "
+         "each other bit for bit; for DDP, accumulation and Fabric each rank's local gradient, its "
+         "reduced buckets and its update against ddplab's specification replay bit for bit (FSDP2: "
+         "forward outputs, the reduce-scatter and the sharded update; the backward by tolerance); "
+         "whether the data-parallel promise equals one process, in float64; and, where no replay "
+         "exists (Custom steps, models that issue collectives), each parameter's distance from a "
+         "float64 run against the reference's own distance; not steps after the last one compared, "
+         "nor effects outside the captured gradients, parameters and buffers (data loading)")
 
 
 @dataclasses.dataclass
 class ConfigVerdict:
     """The conclusion about one configuration.
 
-    ``kind``: "rounding", "bug" or "undetermined" for a configuration that
-    ran every step; its run status ("crashed", "hung", "stopped", "not run",
+    ``kind``: "exact", "rounding", "bug" or "undetermined" for a
+    configuration that ran every step; its run status ("crashed", "hung", "stopped", "not run",
     "unavailable") otherwise, with ``classification`` then saying what the
     referee found on the steps that did finish. ``finding`` is the kind of
     difference localized at the first divergence ("factor",
     "missing_contribution", "desync", "update", "semantic") or None.
     ``summary`` is the headline's template, filled from ``values``.
+    ``referee`` names the evidence that decided, strongest first:
+    "replicas" (ranks bitwise apart after a synchronized step: bug),
+    "replay" (bits against the specification replay: bug on any
+    difference, exact on none), "semantic" (the float64 promise against the
+    float64 truth) and "tolerance" (the band, where nothing stronger applies).
     """
 
     config: str
@@ -58,6 +65,7 @@ class ConfigVerdict:
     finding: str | None = None
     steps_completed: int = 0
     error: str | None = None
+    referee: str = "tolerance"
 
     @property
     def headline(self) -> str:
@@ -190,6 +198,96 @@ def _reduction(frame, config: str) -> Finding | None:
         values=values)
 
 
+# --------------------------------------------------------------------------- the evidence, strongest first
+
+
+_PHASE_TEXT = {"local_gradient": "local gradient (its bucket input)",
+               "reduction": "reduced gradient (its bucket output)", "update": "update"}
+
+
+def _replicas(frame, config: str) -> Finding | None:
+    """Replicas must hold bitwise the same gradients and parameters after a synchronized step."""
+    rows = _rows(frame, "rank_distance", config)
+    if rows.empty:
+        return None
+    per_param = rows[rows["param"] != _referee.MODEL]
+    bad = per_param[~per_param["bitwise_equal"].astype(bool)]
+    values = dict(max_rank_distance=float(rows[rows["param"] == _referee.MODEL]["value"].max()),
+                  step=-1, rank=-1, param="", quantity="")
+    if not bad.empty:
+        first = bad.assign(_q=(bad["quantity"] == "param").astype(int)).sort_values(
+            ["step", "_q", "rank"], kind="stable").iloc[0]
+        values.update(step=int(first["step"]), rank=int(first["rank"]), param=str(first["param"]),
+                      quantity=str(first["quantity"]))
+    return Finding(key="ranks_agree", claim="Every rank holds bitwise the same gradients and parameters",
+                   holds=bad.empty,
+                   template=("first difference: step {step}, rank {rank}, {quantity} of {param}; largest "
+                             "relative distance from rank 0: {max_rank_distance}"),
+                   values=values)
+
+
+def _replay(frame, config: str, reason: str | None) -> Finding | None:
+    """Bits against the specification replay (:mod:`ddplab.compare.replay`)."""
+    from ddplab.compare.replay import first_difference
+
+    rows = _rows(frame, "replay_differing", config)
+    if rows.empty:
+        return None if not reason else Finding(
+            key="replay", claim="Every rank equals the specification replay bit for bit", holds=None,
+            template="no replay: {reason}", values=dict(reason=reason))
+    unverified = _rows(frame, "replay_unverified", config)
+    first = first_difference(frame, config)
+    values = dict(compared=int(len(rows)), steps=int(rows["step"].nunique()),
+                  phases=sorted({str(p) for p in rows["phase"]}),
+                  unverified=sorted({f"{r['phase']}: {r['reason']}" for _, r in unverified.iterrows()}) or ["none"],
+                  complete=bool(unverified.empty))
+    if first is not None:
+        values.update(first)
+        values["phase_text"] = _PHASE_TEXT[first["phase"]]
+        values["module_text"] = (f"; it starts in module {first['module']} "
+                                 f"(by its {first['found_by'].replace('_', ' ')})" if first["module"] else "")
+    return Finding(key="replay", claim="Every rank equals the specification replay bit for bit",
+                   holds=first is None,
+                   template=("{compared} comparisons over {steps} step(s), phases {phases}; not replayed: "
+                             "{unverified}"),
+                   values=values)
+
+
+def _semantic(frame, config: str) -> Finding | None:
+    """Does the float64 promise equal the float64 one-process truth?"""
+    rows = _rows(frame, "semantic_distance", config)
+    if rows.empty:
+        return None
+    diff = _rows(frame, "semantic_difference", config)
+    values = dict(max_semantic_distance=float(rows["value"].max()),
+                  semantic_tolerance=float(rows.iloc[0]["tolerance"]), step=-1, kind="none",
+                  factor=math.nan, factor_name="", missing=[])
+    if not diff.empty:
+        d = diff.iloc[0]
+        missing = _label(d, "missing", "")
+        values.update(step=int(d["step"]), kind=str(d["kind"]), factor=float(_label(d, "factor", math.nan)),
+                      factor_name=str(_label(d, "factor_name", "") or ""),
+                      missing=[int(j) for j in str(missing).split(",")] if missing not in (None, "") else [])
+    return Finding(key="semantic",
+                   claim=("In float64, what the configuration promises (each rank's share, the mean over "
+                          "ranks) is one process's computation"),
+                   holds=diff.empty,
+                   template=("largest distance of the float64 promise from the truth {max_semantic_distance} "
+                             "(tolerance {semantic_tolerance})"),
+                   values=values)
+
+
+def _semantic_text(values: dict, world: int, k: int) -> str:
+    kind = values["kind"]
+    if kind == "factor":
+        named = f" = {values['factor_name']}" if values["factor_name"] else ""
+        return f"every gradient is {values['factor']:.6g}{named} times one process's: one constant factor"
+    if kind == "missing_contribution":
+        return f"the gradient lacks the contribution of {pieces_text(values['missing'], world, k)}"
+    return ("the gradient is no combination of the pieces' gradients that one process takes: a different "
+            "computation (per-rank statistics, local negatives, local clipping, ...)")
+
+
 # --------------------------------------------------------------------------- the rule
 
 
@@ -249,43 +347,108 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     first_rows = _rows(frame, "first_divergence", config)
     first = int(first_rows.iloc[0]["value"]) if not first_rows.empty else None
     local = _localization(frame, config, world, k)
-    if local is not None:
-        findings.append(local)
     reduction = _reduction(frame, config)
     if reduction is not None:
         findings.append(reduction)
-    ranks = _rows(frame, "rank_distance", config)
-    if not ranks.empty:
-        model_rows = ranks[ranks["param"] == _referee.MODEL]
-        findings.append(Finding(
-            key="ranks_agree", claim="Every rank holds bitwise the same gradients and parameters",
-            holds=bool(model_rows["bitwise_equal"].astype(bool).all()),
-            template="largest relative distance from rank 0: {max_rank_distance}",
-            values=dict(max_rank_distance=float(model_rows["value"].max()))))
-    values.update(first_divergence=-1 if first is None else first,
-                  finding=local.key if local else "none",
-                  finding_text=("; " + local.claim_text[0].lower() + local.claim_text[1:]) if local else "")
-    summary = _summary(classification, only_degenerate, first is not None)
+    no_replay = str(_label(srow, "no_replay", "") or "")
+    random = bool(_label(srow, "random", False))
+    replicas, replay, semantic = _replicas(frame, config), _replay(frame, config, no_replay), _semantic(frame, config)
+    findings += [f for f in (replicas, replay, semantic) if f is not None]
+    values.update(first_divergence=-1 if first is None else first, finding="none", finding_text="",
+                  first_rank=0, first_param=str(worst["param"]), no_replay=no_replay,
+                  compression=str(_label(srow, "compression", "") or ""),
+                  max_semantic_distance=semantic.values["max_semantic_distance"] if semantic else math.nan,
+                  semantic_tolerance=semantic.values["semantic_tolerance"] if semantic else math.nan)
+    replay_complete = replay is not None and replay.holds is True and replay.values["complete"]
+    finding = None
+    # The evidence, strongest first: replicas' bits, the replay's bits, the float64 semantics,
+    # and only where none of them decides, the tolerance.
+    if replicas is not None and replicas.holds is False:
+        classification, finding, referee = "bug", "desync", "replicas"
+        rv = replicas.values
+        values.update({f"desync_{key}": rv[key] for key in ("step", "rank", "param", "quantity")})
+        first = rv["step"]
+        values.update(first_divergence=first, first_rank=rv["rank"], first_param=rv["param"], replay_text="")
+        if replay is not None and replay.holds is False:  # the replay says which rank and phase
+            pv = replay.values
+            values.update({f"replay_{key}": pv[key] for key in ("step", "rank", "phase", "param")})
+            values.update(first_rank=pv["rank"], first_param=pv["param"],
+                          replay_text=(f"; the replay places it at step {pv['step']} in rank {pv['rank']}'s "
+                                       f"{pv['phase_text']} of {pv['param']}{pv['module_text']}"))
+    elif replay is not None and replay.holds is False:
+        classification, finding, referee = "bug", "replay", "replay"
+        rv = replay.values
+        values.update({f"replay_{key}": rv[key] for key in ("step", "rank", "phase", "quantity", "param",
+                                                             "differing", "max_ulp", "max_relative", "module")})
+        values.update(phase_text=rv["phase_text"], module_text=rv["module_text"])
+        first = rv["step"]
+        values.update(first_divergence=first, first_rank=rv["rank"], first_param=rv["param"])
+    elif semantic is not None and semantic.holds is False:
+        classification, finding, referee = "bug", "semantic", "semantic"
+        sv = semantic.values
+        values.update(semantic_step=sv["step"], semantic_kind=sv["kind"], semantic_factor=sv["factor"],
+                      semantic_missing=sv["missing"], semantic_text=_semantic_text(sv, world, k))
+        first = sv["step"]
+        values.update(first_divergence=first, first_rank=-1, first_param=_referee.MODEL)
+    elif replay_complete and (semantic is not None or random):
+        classification, referee, first = "exact", "replay", None
+        values.update(first_divergence=-1)
+    else:
+        referee = "tolerance"
+        if local is not None:
+            findings.append(local)
+            finding = local.key
+            values.update(finding_text="; " + local.claim_text[0].lower() + local.claim_text[1:])
+    values.update(referee=referee, finding=finding or "none")
+    summary = _summary(classification, only_degenerate and referee == "tolerance", first is not None,
+                       referee, values)
     if status != "completed":
         values.update(failure)
         summary = "{status} after {steps_completed} step(s) (rank {failed_rank}); on those steps: " + summary
     return ConfigVerdict(config, status if status != "completed" else classification, classification,
                          summary, values, findings, max_deviation=max_dev, first_divergence=first,
-                         finding=local.key if local else None, steps_completed=done, error=error_text)
+                         finding=finding, steps_completed=done, error=error_text, referee=referee)
 
 
-def _summary(classification: str, degenerate: bool, diverged: bool) -> str:
+def _summary(classification: str, degenerate: bool, diverged: bool, referee: str = "tolerance",
+             values: dict | None = None) -> str:
+    """The headline's template for the evidence that decided (see :func:`judge`)."""
+    values = values or {}
+    if referee == "replicas":
+        return ("bug: the ranks disagree after a synchronized step: at step {desync_step} rank {desync_rank} "
+                "holds a {desync_quantity} of {desync_param} bitwise other than rank 0's{replay_text}")
+    if referee == "replay":
+        return ("bug: at step {replay_step}, rank {replay_rank}'s {phase_text} of {replay_param} differs from "
+                "the specification replay in {replay_differing} element(s), up to {replay_max_ulp} ulp "
+                "({replay_max_relative} relative){module_text}")
+    if referee == "semantic":
+        return ("bug: what the configuration promises is not one process's computation: from step "
+                "{semantic_step} the float64 promise differs from the float64 truth by {max_semantic_distance} "
+                "(tolerance {semantic_tolerance}); {semantic_text}")
+    if classification == "exact":
+        text = ("exact: every rank equals the specification replay bit for bit at every step, so the "
+                "difference from one process ({max_deviation} × the reference's own rounding distance) is "
+                "the batch split's rounding")
+        if values.get("compression"):
+            text = ("exact: every rank equals the specification replay of the {compression} compression you "
+                    "asked for, bit for bit at every step: rounding of that compression, {max_deviation} × "
+                    "the reference's own rounding distance")
+        if values.get("max_semantic_distance") == values.get("max_semantic_distance"):
+            return text + "; in float64 the promise equals one process within {semantic_tolerance}"
+        return text + ("; the model draws random numbers (dropout), so one process draws other ones and "
+                       "the semantic question is not asked")
+    tail = "; judged by tolerance (no replay: {no_replay})" if values.get("no_replay") else ""
     if classification == "rounding":
         return ("rounding: at most {max_deviation} × the reference's own rounding distance "
-                "(margin {rounding_margin})")
+                "(margin {rounding_margin})" + tail)
     if degenerate:
         return ("undetermined: the reference reproduces the float64 truth to within a rounding, "
-                "so its distance gives no band to judge by")
+                "so its distance gives no band to judge by" + tail)
     where = " from step {first_divergence}" if diverged else ""
     if classification == "bug":
-        return "bug: {max_deviation} × the rounding band" + where + "{finding_text}"
+        return "bug: {max_deviation} × the rounding band" + where + "{finding_text}" + tail
     return ("undetermined: {max_deviation} × the rounding band" + where + ", beyond every correct run "
-            "measured but not by orders of magnitude{finding_text}")
+            "measured but not by orders of magnitude{finding_text}" + tail)
 
 
 # --------------------------------------------------------------------------- the whole comparison
@@ -301,12 +464,16 @@ def verdicts_markdown(frame) -> str:
     """One table row per configuration: verdict, largest deviation, first divergence, finding, headline."""
     from ddplab.formatting import fmt
 
-    rows = ["| configuration | verdict | max deviation (× band) | first divergence | finding | summary |",
+    rows = ["| configuration | verdict | max deviation (× band) | first divergence (step, rank, parameter) | finding | summary |",
             "|---|---|---|---|---|---|"]
     for label in configurations_in(frame):
         v = judge(frame, label)
         first = "" if v.first_divergence is None else f"step {v.first_divergence}"
         dev = "" if v.max_deviation is None else fmt(v.max_deviation)
+        if v.first_divergence is not None:
+            rank = v.values.get("first_rank", 0)
+            first = f"step {v.first_divergence}" + (f", rank {rank}" if rank is not None and rank >= 0 else "") + \
+                f", {v.values.get('first_param', '')}"
         rows.append(f"| {label} | **{v.kind}** | {dev} | {first} | {v.finding or ''} | "
                     f"{v.headline.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
@@ -329,7 +496,7 @@ def comparison_verdict(frame, *, case: str = "your_training") -> Verdict:
     classes = [v.classification for v in verdicts]
     if "bug" in classes:
         kind = "bug"
-    elif all(k == "rounding" for k in kinds):
+    elif all(k in ("exact", "rounding") for k in kinds):
         kind = "rounding"
     else:
         kind = "undetermined"
@@ -338,22 +505,24 @@ def comparison_verdict(frame, *, case: str = "your_training") -> Verdict:
         values = {k: val for k, val in v.values.items() if not isinstance(val, dict)}
         values.update(config=v.config, verdict=v.kind, headline=v.headline,
                       finding=v.finding or "none", steps_completed=v.steps_completed)
-        holds = {"rounding": True, "bug": False}.get(v.classification) if v.classification else None
+        holds = {"exact": True, "rounding": True, "bug": False}.get(v.classification) if v.classification else None
         if v.kind in ("not run", "unavailable"):
             holds = None
         findings.append(Finding(key=v.config, claim="{config} differs from the single-process reference "
                                 "by rounding only", holds=holds, template="{headline}",
                                 values=values))
     deviations = [v.max_deviation for v in verdicts if v.max_deviation is not None]
-    values = dict(total=len(verdicts), n_rounding=kinds.count("rounding"), n_bug=classes.count("bug"),
-                  n_other=len(verdicts) - kinds.count("rounding") - classes.count("bug"),
+    n_fine = kinds.count("rounding") + kinds.count("exact")
+    values = dict(total=len(verdicts), n_rounding=n_fine, n_exact=kinds.count("exact"), n_bug=classes.count("bug"),
+                  n_other=len(verdicts) - n_fine - classes.count("bug"),
                   bugs=[v.config for v in verdicts if v.classification == "bug"] or ["none"],
                   others=[f"{v.config} ({v.kind})" for v in verdicts
-                          if v.kind != "rounding" and v.classification != "bug"] or ["none"],
+                          if v.kind not in ("exact", "rounding") and v.classification != "bug"] or ["none"],
                   max_deviation=max(deviations) if deviations else math.nan,
                   rounding_margin=_referee.ROUNDING_MARGIN, bug_margin=_referee.BUG_MARGIN)
     summary = ("{n_rounding} of {total} configurations differ from the single-process reference by "
-               "rounding only; bugs: {bugs}; neither: {others}")
+               "rounding only ({n_exact} of them proven bit for bit by the replay); bugs: {bugs}; "
+               "neither: {others}")
     return Verdict(case=case, kind=kind, summary=summary, findings=findings, values=values, scope=SCOPE,
                    key_numbers={"configurations": "total", "rounding": "n_rounding", "bugs": "n_bug",
                                 "largest deviation (× band)": "max_deviation",

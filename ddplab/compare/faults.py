@@ -1,0 +1,173 @@
+"""Quiet faults of any size, planted on one rank: what the replay referee must catch and place.
+
+Each :func:`plant` returns an :class:`~ddplab.compare.examples.Example`-like
+:class:`PlantedFault`: the digits setup (or a configuration) with one fault
+on rank ``rank`` only (ranks test ``dist.get_rank()``; the replay runs in a
+process without a process group, so it computes what is promised), and
+where it must be found: the step, the rank and the phase.
+
+Kinds (``magnitude`` is the relative size; ``"ulp"`` changes one element by
+one unit in the last place):
+
+* ``local_gradient`` -- one layer's local gradient scaled by ``1 + magnitude`` (a tensor hook);
+* ``reduced_gradient`` -- rank 1's reduced gradient of one layer scaled in
+  ``before_step`` (the ranks then disagree);
+* ``optimizer`` -- rank 1's learning rate is ``lr * (1 + magnitude)``;
+* ``skipped_micro_batch`` / ``duplicated_micro_batch`` -- under
+  accumulation, rank 1's first micro-batch loss counts 0 or 2 times;
+* ``low_precision_bucket`` -- every bucket is rounded to bfloat16 before
+  the reduction, by a hook that promises DDP's own average (registered
+  with :func:`ddplab.compare.replay.register_reduction`).
+
+For FSDP2 (``fsdp=True``), ``forward_output`` scales one layer's output on
+rank 1, and ``optimizer`` changes rank 1's learning rate (its shard's update).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddplab.compare.configurations import DDP, FSDP2, Accumulate, Configuration
+from ddplab.compare.examples import _build, _optimizer, digits_setup
+from ddplab.compare.replay import register_reduction, reduction_emulation
+from ddplab.compare.setup import Setup
+
+__all__ = ["KINDS", "FSDP_KINDS", "MAGNITUDES", "PlantedFault", "plant"]
+
+KINDS = ("local_gradient", "reduced_gradient", "optimizer", "skipped_micro_batch",
+         "duplicated_micro_batch", "low_precision_bucket")
+FSDP_KINDS = ("forward_output", "optimizer")
+#: Relative sizes the sensitivity benchmark sweeps, down to one ulp.
+MAGNITUDES = (1e-2, 1e-4, 1e-6, "ulp")
+#: The layer faults are planted in (the digits MLP's first Linear).
+LAYER = "1"
+
+
+@dataclasses.dataclass
+class PlantedFault:
+    """A setup and configuration with one planted fault, and where it must be found."""
+
+    kind: str
+    magnitude: float | str
+    setup: Setup
+    config: Configuration
+    step: int
+    rank: int
+    phase: str
+
+
+def _on_rank(rank: int) -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == rank
+
+
+def _perturb(t: torch.Tensor, magnitude) -> torch.Tensor:
+    if magnitude == "ulp":
+        t = t.clone()
+        flat = t.view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=t.dtype))
+        return t
+    return t * (1 + magnitude)
+
+
+def _model_with_grad_fault(seed: int, magnitude, rank: int) -> nn.Module:
+    model = _build("mlp", seed)
+    if _on_rank(rank):
+        getattr(model, LAYER).weight.register_hook(lambda g: _perturb(g, magnitude))
+    return model
+
+
+class _Scaled(nn.Module):
+    def __init__(self, inner: nn.Module, magnitude, rank: int):
+        super().__init__()
+        self.inner, self.magnitude, self.rank = inner, magnitude, rank
+
+    def forward(self, x):
+        out = self.inner(x)
+        return _perturb(out, self.magnitude) if _on_rank(self.rank) else out
+
+
+def _model_with_forward_fault(seed: int, magnitude, rank: int) -> nn.Module:
+    model = _build("mlp", seed)
+    model[int(LAYER)] = _Scaled(model[int(LAYER)], magnitude, rank)
+    return model
+
+
+def _scale_reduced(model: nn.Module, magnitude, rank: int) -> None:
+    if _on_rank(rank):
+        p = dict(model.named_parameters())
+        name = next(n for n in p if n.endswith(f"{LAYER}.weight"))
+        p[name].grad.copy_(_perturb(p[name].grad, magnitude))
+
+
+def _faulty_optimizer(params, magnitude, rank: int, lr: float = 0.05, momentum: float = 0.9):
+    if _on_rank(rank):
+        lr = float(torch.nextafter(torch.tensor(lr), torch.tensor(1.0))) if magnitude == "ulp" else \
+            lr * (1 + magnitude)
+    return _optimizer(params, "sgd", lr, momentum)
+
+
+class _CountedLoss:
+    """cross_entropy whose first call of every step on ``rank`` is weighted ``weight`` (k calls a step)."""
+
+    def __init__(self, k: int, weight: float, rank: int):
+        self.k, self.weight, self.rank, self.calls = k, weight, rank, 0
+
+    def __call__(self, output, target):
+        loss = nn.functional.cross_entropy(output, target)
+        if _on_rank(self.rank):
+            first = self.calls % self.k == 0
+            self.calls += 1
+            if first:
+                return loss * self.weight
+        return loss
+
+
+def bf16_bucket_hook(process_group, bucket):
+    """DDP's own average of the bucket after rounding it to bfloat16 (a planted reduction fault)."""
+    from ddplab.comm_hooks import ddp_default_hook
+
+    buffer = bucket.buffer()
+    buffer.copy_(buffer.to(torch.bfloat16).to(buffer.dtype))
+    return ddp_default_hook(process_group, bucket)
+
+
+# It promises DDP's own average: the replay holds it to that.
+register_reduction(bf16_bucket_hook, reduction_emulation(None))
+
+
+def plant(kind: str, magnitude=1e-6, *, seed: int = 0, steps: int = 3, world_size: int = 2, rank: int = 1,
+          fsdp: bool = False) -> PlantedFault:
+    """The digits setup with fault ``kind`` of ``magnitude`` on ``rank`` (see the module docstring)."""
+    kinds = FSDP_KINDS if fsdp else KINDS
+    if kind not in kinds:
+        raise ValueError(f"unknown fault {kind!r}; known{' for FSDP2' if fsdp else ''}: {', '.join(kinds)}")
+    if not (magnitude == "ulp" or isinstance(magnitude, (int, float)) and magnitude > 0):
+        raise ValueError(f"magnitude must be a positive number or 'ulp', got {magnitude!r}")
+    setup = digits_setup(seed, steps=steps)
+    config: Configuration = FSDP2(world_size, param_dtype=torch.bfloat16) if fsdp else DDP(world_size)
+    phase = "local_gradient"
+    if kind == "local_gradient":
+        setup = dataclasses.replace(setup, model=functools.partial(_model_with_grad_fault, seed, magnitude, rank))
+    elif kind == "forward_output":
+        setup = dataclasses.replace(setup, model=functools.partial(_model_with_forward_fault, seed, magnitude,
+                                                                   rank))
+    elif kind == "reduced_gradient":
+        setup = dataclasses.replace(setup, before_step=functools.partial(_scale_reduced, magnitude=magnitude,
+                                                                         rank=rank))
+        phase = "update"
+    elif kind == "optimizer":
+        setup = dataclasses.replace(setup, optimizer=functools.partial(_faulty_optimizer, magnitude=magnitude,
+                                                                       rank=rank))
+        phase = "update"
+    elif kind in ("skipped_micro_batch", "duplicated_micro_batch"):
+        weight = 0.0 if kind == "skipped_micro_batch" else 2.0
+        setup = dataclasses.replace(setup, loss=_CountedLoss(2, weight, rank))
+        config = Accumulate(world_size, k=2)
+    elif kind == "low_precision_bucket":
+        config = DDP(world_size, comm_hook=bf16_bucket_hook)
+        phase, rank = "reduction", 0  # every rank reduces the rounded buckets: rank 0 is the first
+    return PlantedFault(kind, magnitude, setup, config, step=0, rank=rank, phase=phase)

@@ -1,0 +1,450 @@
+"""The specification replay: ddplab's own one-process execution of what the wrapper promises, bit for bit.
+
+On gloo/CPU a distributed step is bit-reproducible in one process. For
+every step of a DDP, Accumulate or Fabric run, each rank's step is executed
+again here from that rank's own state before the step (its parameters, its
+optimizer state, its RNG state, its buffers, its thread count) and compared
+with what the rank captured, phase by phase, bit for bit:
+
+* ``local_gradient`` -- forward and backward on the rank's share (k
+  micro-batches, each loss divided by k, accumulated as autograd does) give
+  the bucket inputs the rank handed its comm hook;
+* ``reduction`` -- the emulated reduction of every rank's *own* bucket
+  inputs (gloo's ring after DDP's ``1/W`` multiply, or the emulation of the
+  comm hook the configuration uses) gives each rank's bucket output;
+* ``update`` -- the rank's reduced buckets, cut back into gradients and
+  passed through the setup's ``before_step``, give the gradient the rank
+  handed ``optimizer.step()`` (``quantity="grad"``), and the user's
+  optimizer, loaded with the rank's state, stepping on that gradient gives
+  the parameters after the step (``quantity="param"``).
+
+Each phase starts from the rank's own values (not the replay's), so a fault
+is found in the phase where it happens and every step is judged on its own.
+A difference of any size -- one ulp in one element -- is a bug: it is not
+what the wrapper promises. A difference in the local gradient also names
+the module: the first forward call whose output digest differs from the
+replay's (with every earlier output equal, its input was the same), or else
+the module owning the first parameter, from the output backwards, whose
+gradient differs.
+
+Records (one tidy row each): ``replay_differing`` (elements whose bits
+differ, per step, rank, phase, quantity and parameter; ``max_ulp`` and
+``max_relative`` labels where any do), ``replay_unverified`` (a phase the
+replay could not re-execute, with ``reason``) and ``replay_module`` at the
+first local-gradient difference.
+
+What has no replay (:func:`unavailable`): a :class:`Custom` step (ddplab
+does not know what it promises), a model whose modules issue their own
+collectives in forward (SyncBatchNorm: one rank's forward depends on the
+others'), and FSDP2's local gradients with micro-batches. The reduction of
+a comm hook ddplab cannot emulate is ``unverified``; the other phases are
+still replayed.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Iterator
+
+import torch
+
+from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
+from ddplab.compare.runners import ForwardDigests
+from ddplab.compare.setup import Setup, apply_before_step, cast_batch, forward_loss, named_trainable, split
+from ddplab.records import record
+
+__all__ = ["PHASES", "register_reduction", "reduction_emulation", "unavailable", "replay_records",
+           "compare_bits", "first_difference"]
+
+#: Where a difference from the replay happens, in the order a step runs.
+PHASES = ("local_gradient", "reduction", "update")
+
+#: comm hook -> emulation ``fn(contributions (W, n)) -> result (n,)`` registered by users.
+_REGISTERED: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def register_reduction(hook: Callable, emulation: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """State what a comm hook promises: ``emulation(contributions)`` is, bit for bit, the bucket
+    the hook leaves from the W ranks' bucket inputs ``contributions`` (shape ``(W, n)``).
+
+    Example::
+
+        >>> from ddplab.numerics import reduce
+        >>> register_reduction(my_hook, lambda c: reduce(c, "gloo_ring", op="avg", averaging="post_divide"))
+    """
+    if not callable(hook) or not callable(emulation):
+        raise ValueError("register_reduction takes a comm hook and a callable contributions -> result")
+    _REGISTERED[hook] = emulation
+
+
+def _ddp_default(contributions: torch.Tensor) -> torch.Tensor:
+    from ddplab.numerics.orders import DDP_AVERAGING, reduce
+    return reduce(contributions, "gloo_ring", op="avg", averaging=DDP_AVERAGING)
+
+
+def reduction_emulation(hook: Callable | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The bit-exact emulation of ``hook``'s reduction on gloo (None: DDP's own), or None if unknown."""
+    if hook is None:
+        return _ddp_default
+    if hook in _REGISTERED:
+        return _REGISTERED[hook]
+    from ddplab import comm_hooks
+    known = dict(getattr(comm_hooks, "REPLAY_EMULATIONS", {}))
+    known.setdefault(comm_hooks.ddp_default_hook, _ddp_default)
+    return known.get(hook)
+
+
+def _collective_modules(setup: Setup) -> list[str]:
+    model = setup.build_model()
+    return [name or "(model)" for name, m in model.named_modules()
+            if isinstance(m, torch.nn.SyncBatchNorm) or getattr(m, "collective_in_forward", False)]
+
+
+def unavailable(setup: Setup, config: Configuration) -> str | None:
+    """Why ``config`` has no specification replay, or None when it has one."""
+    if isinstance(config, Custom):
+        return ("a Custom step may issue its own collectives and ddplab does not know what it "
+                "promises")
+    collective = _collective_modules(setup)
+    if collective:
+        return (f"the model's {', '.join(collective[:3])} issue their own collectives in forward, so "
+                f"one rank's step depends on the others' (no one-rank replay)")
+    if isinstance(config, FSDP2) and config.k > 1:
+        return "FSDP2 with micro-batches accumulates unsharded gradients ddplab does not replay"
+    if not isinstance(config, (DDP, Fabric, FSDP2)):
+        return f"no replay for {type(config).__name__}"
+    return None
+
+
+# --------------------------------------------------------------------------- bits
+
+
+def compare_bits(live: torch.Tensor, replay: torch.Tensor) -> dict:
+    """Elements whose bits differ, the largest ulp distance and the largest relative difference."""
+    from ddplab.numerics import ulp_distance
+    from ddplab.numerics.accuracy import same_bits
+
+    live, replay = live.reshape(-1), replay.reshape(-1).to(live.dtype)
+    same = same_bits(live, replay)
+    differing = int((~same).sum())
+    if not differing:
+        return dict(differing=0, max_ulp=0.0, max_relative=0.0, first=-1)
+    ulps = ulp_distance(live, replay).abs().to(torch.float64)
+    diff = (live.double() - replay.double()).abs()
+    scale = replay.double().abs().clamp_min(torch.finfo(torch.float64).tiny)
+    rel = torch.where(same, torch.zeros_like(diff), diff / scale)
+    return dict(differing=differing, max_ulp=float(ulps.max()), max_relative=float(rel.max()),
+                first=int((~same).nonzero()[0, 0]))
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """Run with the rank's torch thread count: a kernel's result can depend on it."""
+    before = torch.get_num_threads()
+    if count and count != before:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _model_at(setup: Setup, params: dict, buffers: dict | None = None) -> torch.nn.Module:
+    model = setup.build_model()
+    with torch.no_grad():
+        for name, p in named_trainable(model):
+            p.copy_(params[name])
+        for name, b in model.named_buffers():
+            if buffers and name in buffers:
+                b.copy_(buffers[name])
+    return model
+
+
+class _Emitter:
+    def __init__(self, config: Configuration):
+        self.labels = dict(config=config.label)
+        self.out: list[dict] = []
+
+    def bits(self, step: int, rank: int, phase: str, quantity: str, param: str, live, replay) -> dict:
+        c = compare_bits(live, replay)
+        extra = {}
+        if c["differing"]:
+            extra = dict(max_ulp=c["max_ulp"], max_relative=c["max_relative"], element=c["first"])
+        self.out.append(record("replay_differing", c["differing"], step=step, rank=rank, phase=phase,
+                               quantity=quantity, param=param, **self.labels, **extra))
+        return c
+
+    def unverified(self, step: int, rank: int, phase: str, reason: str) -> None:
+        self.out.append(record("replay_unverified", 1, step=step, rank=rank, phase=phase, reason=reason,
+                               **self.labels))
+
+
+# --------------------------------------------------------------------------- the phases
+
+
+def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: list, cap: dict):
+    """The rank's forward/backward on its micro-batches, from its RNG state; gradients and digests."""
+    digests = ForwardDigests(model)
+    torch.set_rng_state(cap["rng"])
+    k = len(micro)
+    for piece in micro:
+        loss = forward_loss(model, setup.loss, piece)
+        if k > 1:
+            loss = loss / k
+        loss.backward()
+    digests.remove()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for n, p in named_trainable(model)}
+    return grads, digests.calls
+
+
+def _local_fsdp(setup: Setup, config: FSDP2, model: torch.nn.Module, micro: list, cap: dict):
+    """FSDP2's compute: the full parameters cast to ``param_dtype``, inputs cast, one backward;
+    the gradient of each cast parameter is what FSDP2 reduce-scatters (in its ``reduce_dtype``)."""
+    param_dtype, _ = config.precision()
+    named = named_trainable(model)
+    low = {n: p.detach().to(param_dtype or p.dtype).requires_grad_() for n, p in named}
+    digests = ForwardDigests(model)
+    torch.set_rng_state(cap["rng"])
+    inputs = cast_batch(micro[0], param_dtype, target=False)
+    out = torch.func.functional_call(model, low, inputs[:-1])
+    setup.loss(out, inputs[-1]).backward()
+    digests.remove()
+    return {n: t.grad.detach().clone() for n, t in low.items()}, digests.calls
+
+
+def _first_module(live_calls: list, replay_calls: list, differing_params: list[str]) -> tuple[str, str]:
+    """The module a local-gradient difference starts in, and how it was found."""
+    for (name, live), (_, replay) in zip(live_calls, replay_calls):
+        if live != replay:
+            return name, "forward_output"
+    if len(live_calls) != len(replay_calls):
+        return "(model)", "forward_calls"
+    if differing_params:  # backward runs from the output: the last parameter differing comes first
+        last = differing_params[-1]
+        return (last.rsplit(".", 1)[0] if "." in last else "(model)"), "parameter_gradient"
+    return "(model)", "parameter_gradient"
+
+
+def _bucket_params(bucket: dict, grads: dict) -> list[tuple[str, int, int]]:
+    """``(name, start, stop)`` of each parameter's slice of a bucket's flat buffer."""
+    out, start = [], 0
+    for name in bucket.get("names") or bucket["params"].split(","):
+        n = grads[name].numel()
+        out.append((name, start, start + n))
+        start += n
+    return out
+
+
+def _replay_local(em: _Emitter, setup, config, step, rank, cap, before, buffers, micro, modules_seen) -> dict:
+    """The local phase of one rank; returns the replay's local gradients."""
+    model = _model_at(setup, before, buffers)
+    with _threads(cap.get("threads")):
+        if isinstance(config, FSDP2):
+            grads, calls = _local_fsdp(setup, config, model, micro, cap)
+        else:
+            grads, calls = _local(setup, config, model, micro, cap)
+    differing = []
+    if isinstance(config, FSDP2):
+        # FSDP2's reduce-scatter input is not kept per parameter; its forward is compared by
+        # digest and the reduction bit for bit by the ranks' audit.
+        em.unverified(step, rank, "local_gradient", "FSDP2 keeps no per-parameter reduce-scatter input; "
+                      "forward outputs compared by digest, the reduce-scatter by the ranks' audit")
+    else:
+        for bucket in cap.get("buckets", []):
+            for name, start, stop in _bucket_params(bucket, grads):
+                c = em.bits(step, rank, "local_gradient", "grad", name, bucket["local"][start:stop],
+                            grads[name])
+                if c["differing"]:
+                    differing.append(name)
+    live_calls = cap.get("forward", [])
+    forward_differing = sum(a != b for a, b in zip(live_calls, calls)) + abs(len(live_calls) - len(calls))
+    em.out.append(record("replay_differing", forward_differing, step=step, rank=rank, phase="local_gradient",
+                         quantity="forward", param="(forward outputs)", **em.labels))
+    forward_differs = forward_differing > 0
+    if (differing or forward_differs) and not modules_seen:
+        order = [n for n, _ in named_trainable(model)]
+        differing.sort(key=order.index)
+        module, how = _first_module(live_calls, calls, differing)
+        em.out.append(record("replay_module", 1, step=step, rank=rank, phase="local_gradient",
+                             module=module, found_by=how, **em.labels))
+        modules_seen.append(module)
+    return grads
+
+
+def _replay_reduction(em: _Emitter, config, step, caps: list[dict], emulation) -> None:
+    by_rank = [{b["index"]: b for b in cap.get("buckets", [])} for cap in caps]
+    indices = sorted(by_rank[0])
+    for index in indices:
+        if not all(index in other for other in by_rank):
+            for rank in range(len(caps)):
+                em.unverified(step, rank, "reduction", f"bucket {index} missing on some rank")
+            continue
+        contributions = torch.stack([other[index]["local"] for other in by_rank])
+        expected = emulation(contributions)
+        for rank, other in enumerate(by_rank):
+            bucket = other[index]
+            for name, start, stop in _bucket_params(bucket, caps[rank]["params"]):
+                em.bits(step, rank, "reduction", "grad", name, bucket["result"][start:stop],
+                        expected[start:stop])
+
+
+def _replay_update(em: _Emitter, setup, config, step, rank, cap, before, optim_before) -> None:
+    model = _model_at(setup, before, cap.get("buffers"))
+    named = named_trainable(model)
+    with _threads(cap.get("threads")):
+        if cap.get("buckets"):
+            # What the rank's reduced buckets give its step: DDP copies each bucket back into
+            # the gradients, then the setup's before_step (clipping) runs.
+            grads = {n: torch.zeros_like(p) for n, p in named}
+            for bucket in cap["buckets"]:
+                for name, start, stop in _bucket_params(bucket, grads):
+                    grads[name] = bucket["result"][start:stop].view_as(grads[name]).clone()
+            for name, p in named:
+                p.grad = grads[name].clone()
+            apply_before_step(setup, model)
+            for name, p in named:
+                if name in cap["grads"]:
+                    em.bits(step, rank, "update", "grad", name, cap["grads"][name], p.grad)
+        # The optimizer on the rank's own gradient, from the rank's own state -- but with the
+        # hyperparameters the setup gives (load_state_dict would take the rank's own, and a rank
+        # whose learning rate differs would then be replayed with it).
+        optimizer = setup.optimizer(model.parameters())
+        if optim_before is not None:
+            promised = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            optimizer.load_state_dict(optim_before)
+            for group, hyper in zip(optimizer.param_groups, promised):
+                group.update(hyper)
+        for name, p in named:
+            p.grad = cap["grads"][name].clone() if name in cap["grads"] else None
+        optimizer.step()
+    for name, p in named:
+        live, replay = cap["params"][name], p.detach()
+        if isinstance(config, FSDP2) and live.ndim:
+            # Each rank updates only its own shard (dim-0 chunks); the full tensor it captured
+            # holds the others' too, so only its own rows are its update.
+            rows = _shard_rows(live.shape[0], config.world_size, rank)
+            live, replay = live[rows], replay[rows]
+        em.bits(step, rank, "update", "param", name, live, replay)
+
+
+def _shard_rows(rows: int, world: int, rank: int) -> slice:
+    """The dim-0 rows FSDP2 gives ``rank`` of ``world``: chunks of ceil(rows / world)."""
+    chunk = -(-rows // world)
+    return slice(min(rank * chunk, rows), min((rank + 1) * chunk, rows))
+
+
+def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]], batches: list) -> list[dict]:
+    """Replay every captured step of ``config`` (``ranks[r][step]``: rank r's captures) and compare.
+
+    Returns the records of the module docstring; an empty list when the
+    configuration has no replay (:func:`unavailable`).
+    """
+    if unavailable(setup, config) is not None:
+        return []
+    em = _Emitter(config)
+    world, k = config.world_size, config.k
+    emulation = reduction_emulation(getattr(config, "comm_hook", None)) if not isinstance(config, FSDP2) else None
+    initial = {n: p.detach().clone() for n, p in named_trainable(setup.build_model())}
+    steps = min(len(r) for r in ranks)
+    modules_seen: list[str] = []
+    rng = torch.get_rng_state()
+    try:
+        for step in range(steps):
+            pieces = split(batches[step], world * k)
+            caps = [ranks[r][step] for r in range(world)]
+            for rank in range(world):
+                before = initial if step == 0 else ranks[rank][step - 1]["params"]
+                optim_before = None if step == 0 else ranks[rank][step - 1].get("optimizer")
+                micro = pieces[rank * k:(rank + 1) * k]
+                # DDP broadcasts rank 0's buffers at the start of every forward.
+                source = caps[rank] if isinstance(config, FSDP2) else caps[0]
+                _replay_local(em, setup, config, step, rank, caps[rank], before, source.get("buffers"), micro,
+                              modules_seen)
+                _replay_update(em, setup, config, step, rank, caps[rank], before, optim_before)
+            if isinstance(config, FSDP2):
+                continue  # the ranks' audit measured every reduce-scatter bit for bit
+            if emulation is None:
+                hook = getattr(config.comm_hook, "__name__", "the comm hook")
+                for rank in range(world):
+                    em.unverified(step, rank, "reduction", f"ddplab has no bit-exact emulation of {hook} "
+                                  "(ddplab.compare.replay.register_reduction states one)")
+            else:
+                _replay_reduction(em, config, step, caps, emulation)
+    finally:
+        torch.set_rng_state(rng)
+    return em.out
+
+
+def first_difference(frame, config: str) -> dict | None:
+    """The first (step, phase, rank, parameter) whose bits differ from the replay, as values."""
+    if "metric" not in frame.columns:
+        return None
+    rows = frame[(frame["metric"] == "replay_differing") & (frame["config"] == config) & (frame["value"] > 0)]
+    if rows.empty:
+        return None
+    order = {p: i for i, p in enumerate(PHASES)}
+    rows = rows.assign(_phase=rows["phase"].map(order), _q=(rows["quantity"] == "param").astype(int))
+    row = rows.sort_values(["step", "_phase", "_q", "rank"], kind="stable").iloc[0]
+    module_rows = frame[(frame["metric"] == "replay_module") & (frame["config"] == config)]
+    module, found_by = None, None
+    if not module_rows.empty and row["phase"] == "local_gradient":
+        module, found_by = str(module_rows.iloc[0]["module"]), str(module_rows.iloc[0]["found_by"])
+    def number(key):
+        value = row.get(key, math.nan) if hasattr(row, "get") else math.nan
+        return math.nan if value is None else float(value)
+
+    values = dict(step=int(row["step"]), rank=int(row["rank"]), phase=str(row["phase"]),
+                  quantity=str(row["quantity"]), param=str(row["param"]), differing=int(row["value"]),
+                  max_ulp=number("max_ulp"), max_relative=number("max_relative"),
+                  module=module or "", found_by=found_by or "")
+    return values
+
+
+# --------------------------------------------------------------------------- the semantic question
+
+#: Relative distance of the float64 promise from the float64 truth beyond which the promise is not
+#: one process's computation: ~1e7 × float64's unit roundoff (1.1e-16), where float64 rounding
+#: measured at most 1e-14 (``bench/bench_compare.py --sensitivity``), and 1/60 of float32's unit
+#: roundoff, so no float32 rounding reaches it while a summed loss, per-rank statistics or local
+#: negatives stand 1e-4 and more above one process.
+SEMANTIC_TOLERANCE = 1e-9
+
+
+def semantic_records(setup: Setup, config: Configuration, promise: list[dict], caps: dict) -> list[dict]:
+    """Does the data-parallel promise (the float64 run ``promise``: W ranks' shares, k micro-batches,
+    the mean over ranks) equal one process (the float64 truth)? Per step, quantity and parameter:
+    ``semantic_distance`` = ‖promise − truth‖ / ‖truth‖; at the first step beyond
+    :data:`SEMANTIC_TOLERANCE`, ``semantic_difference`` with the kind the piece fit names."""
+    from ddplab.compare.localization import semantic_fit
+
+    truth = caps["truth"]
+    labels = dict(config=config.label)
+    out, first = [], None
+    for step in range(min(len(truth), len(promise))):
+        for quantity in ("grad", "param"):
+            t, p = truth[step][quantity + "s"], promise[step][quantity + "s"]
+            names = [n for n in t if n in p]
+            worst = 0.0
+            for name in names + ["(model)"]:
+                if name == "(model)":
+                    a = torch.cat([t[n].reshape(-1) for n in names])
+                    b = torch.cat([p[n].reshape(-1) for n in names])
+                else:
+                    a, b = t[name].reshape(-1), p[name].reshape(-1)
+                scale = float(torch.linalg.vector_norm(a))
+                diff = float(torch.linalg.vector_norm(a - b))
+                d = 0.0 if diff == 0 else (diff / scale if scale > 0 else math.inf)
+                out.append(record("semantic_distance", d, step=step, quantity=quantity, param=name,
+                                  tolerance=SEMANTIC_TOLERANCE, **labels))
+                worst = max(worst, d)
+            if worst > SEMANTIC_TOLERANCE and first is None:
+                first = (step, quantity, worst)
+    if first is not None:
+        step, quantity, worst = first
+        fit = semantic_fit(setup, config, step, promise[step]["grads"], caps)
+        out.append(record("semantic_difference", worst, step=step, quantity=quantity, kind=fit["kind"],
+                          factor=fit["factor"], factor_name=fit["factor_name"] or "",
+                          missing=",".join(map(str, fit["missing"])), residual=fit["residual"], **labels))
+    return out

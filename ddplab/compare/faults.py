@@ -66,10 +66,13 @@ def _on_rank(rank: int) -> bool:
 
 def _perturb(t: torch.Tensor, magnitude) -> torch.Tensor:
     if magnitude == "ulp":
-        t = t.clone()
-        flat = t.view(-1)
-        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=t.dtype))
-        return t
+        # One element one ulp up; t + (bumped - t) is bumped exactly (Sterbenz), and the
+        # gradient still flows through t.
+        with torch.no_grad():
+            bumped = t.detach().clone()
+            flat = bumped.view(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=t.dtype))
+        return t + (bumped - t.detach())
     return t * (1 + magnitude)
 
 

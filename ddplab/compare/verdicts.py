@@ -244,6 +244,9 @@ def _replay(frame, config: str, reason: str | None) -> Finding | None:
     if first is not None:
         values.update(first)
         values["phase_text"] = _PHASE_TEXT[first["phase"]]
+        if first["quantity"] == "forward":  # the forward outputs, compared by digest
+            values["phase_text"] = "forward outputs (by digest)"
+            values["param"] = first["module"] or first["param"]
         values["module_text"] = (f"; it starts in module {first['module']} "
                                  f"(by its {first['found_by'].replace('_', ' ')})" if first["module"] else "")
     return Finding(key="replay", claim="Every rank equals the specification replay bit for bit",

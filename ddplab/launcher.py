@@ -66,6 +66,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from ddplab import records as _records
+from ddplab.formatting import visible_controls
 from ddplab.rank import check_backend
 
 __all__ = [
@@ -568,7 +569,9 @@ def _sigint_deferred():
 
 
 def _tail(text: str, lines: int) -> str:
-    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+    """The last ``lines`` lines of ``text``, split at newlines only (splitlines() would also
+    split at, and drop, the carriage returns and separators a rank printed)."""
+    return "\n".join(text.rstrip("\n").split("\n")[-lines:])
 
 
 def _stack_from_dump(stderr_text: str) -> str:
@@ -857,6 +860,9 @@ class Launch:
             lines = [f"  rank {f['rank']} {self._failure_text(f, brief=True)}"
                      for f in sorted(others, key=lambda f: f["time"])]
             message += "\n--- then, as a consequence ---\n" + "\n".join(lines)
+        # The rank's own text is shown with its control characters escaped; the
+        # attributes and result.stdout/stderr keep it as the rank wrote it.
+        message = visible_controls(message)
         if cause["kind"] == "death":
             raise RankDied(message, result, rank, cause["code"])
         raise RankFailed(message, result, rank, cause["info"]["type"], cause["info"]["traceback"])
@@ -895,7 +901,7 @@ class Launch:
         for r in pending:
             if stacks[r]:
                 lines.append(f"--- rank {r} stack at the timeout ---\n{stacks[r]}")
-        raise LaunchTimeout("\n".join(lines), result, returned, pending, last, stacks)
+        raise LaunchTimeout(visible_controls("\n".join(lines)), result, returned, pending, last, stacks)
 
     def _fail_stopped(self) -> None:
         result = self._partial()
@@ -983,7 +989,8 @@ class Launch:
             for dest, ext in ((outs, "out"), (errs, "err")):
                 path = os.path.join(self._tmpdir.name, f"rank{rank}.{ext}") if self._tmpdir else ""
                 try:
-                    with open(path, errors="replace") as fh:
+                    # newline="": a rank's "\r" stays "\r" (the text as the rank wrote it).
+                    with open(path, errors="replace", newline="") as fh:
                         dest.append(fh.read())
                     self._started_ranks.add(rank)
                 except OSError:

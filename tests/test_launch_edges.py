@@ -5,6 +5,7 @@ import importlib.util
 import ipaddress
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,8 +20,8 @@ import torch.distributed as dist
 
 import ddplab
 from ddplab import launcher
-from ddplab.launcher import (MAX_WORLD_SIZE_ENV, Launch, LaunchStopped, RankDied, RankFailed,
-                             launch)
+from ddplab.launcher import (MAX_WORLD_SIZE_ENV, Launch, LaunchStopped, LaunchTimeout, RankDied,
+                             RankFailed, launch)
 
 from processes import all_gone, start_reading_pids
 
@@ -76,6 +77,59 @@ def test_store_accepts_loopback_only(no_leftovers):
         runner.stop()
         with pytest.raises(LaunchStopped):
             runner.wait()
+
+
+# ---------------------------------------------------------------- what ranks print
+
+#: What a terminal would act on: NUL, clear-screen, a window title with BEL, CR, C1's CSI.
+CONTROLS = "NUL\x00 ESC\x1b[2J OSC\x1b]0;title\x07 CR\r CSI\x9b1m"
+#: A control character other than newline and tab.
+RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def print_and_fail_with_controls(how):
+    print("stdout " + CONTROLS, flush=True)
+    print("stderr " + CONTROLS, file=sys.stderr, flush=True)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        if how == "die":
+            os._exit(5)
+        raise RuntimeError("message " + CONTROLS)
+    dist.barrier()  # rank 0 fails too, as a consequence
+
+
+@pytest.mark.parametrize("how, error", [("raise", RankFailed), ("die", RankDied)])
+def test_control_characters_from_a_rank_are_shown_escaped_and_kept(no_leftovers, how, error):
+    with pytest.raises(error) as info:
+        launch(print_and_fail_with_controls, world_size=2, args=(how,), timeout=60)
+    err = info.value
+    text = str(err)
+    assert not RAW_CONTROL.findall(text), RAW_CONTROL.findall(text)
+    shown = "NUL\\x00 ESC\\x1b[2J OSC\\x1b]0;title\\x07 CR\\x0d CSI\\x9b1m"
+    assert f"stderr {shown}" in text  # the stderr tail
+    if how == "raise":
+        assert f"RuntimeError: message {shown}" in text  # the message and the remote traceback
+        assert f"message {CONTROLS}" in err.remote_traceback  # kept as raised
+    for rank in (0, 1):  # the captured output keeps every character
+        assert err.result.stdout[rank] == f"stdout {CONTROLS}\n"
+        assert f"stderr {CONTROLS}\n" in err.result.stderr[rank]
+
+
+def hang_after_printing_controls():
+    ddplab.emit("phase\x1b[2J", 1, note="label \x1b]0;title\x07")
+    print("Thread 0x " + CONTROLS, file=sys.stderr, flush=True)  # looks like a stack dump's start
+    time.sleep(60)
+
+
+def test_a_hang_diagnosis_shows_control_characters_escaped(no_leftovers):
+    with pytest.raises(LaunchTimeout) as info:
+        launch(hang_after_printing_controls, world_size=1, timeout=2)
+    err = info.value
+    text = str(err)
+    assert not RAW_CONTROL.findall(text), RAW_CONTROL.findall(text)
+    assert "ESC\\x1b[2J" in text and "phase\\x1b[2J" in text  # the stack tail, the last record
+    assert err.last_records[0]["metric"] == "phase\x1b[2J"  # the record as emitted
+    assert CONTROLS in err.stacks[0] and CONTROLS in err.result.stderr[0]
 
 
 # ---------------------------------------------------------------- what ranks start

@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
+import inspect
 import io
 import math
 import multiprocessing
@@ -492,6 +493,26 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_call(fn, args, kwargs: dict) -> None:
+    """Raise ValueError if ``fn(*args, **kwargs)`` cannot bind, where ``fn``'s signature can be read.
+
+    Without this a keyword ``fn`` does not take fails in every rank, seconds
+    later, after the store, the processes and the process group were set up.
+    The signature is the one ``inspect.signature`` reads (a ``functools.wraps``
+    decorator shows the wrapped function's); builtins without one (``max``)
+    are not checked here: the ranks report what they raise.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        raise ValueError(f"{name}{signature} cannot be called with these arguments: {exc}") from None
+
+
 def _validate(fn, world_size, backend, timeout, args, kwargs, threads_per_rank, env,
               on_record, progress) -> dict[str, str]:
     """Raise ValueError for any bad argument (before a process starts); return ``env`` as strings."""
@@ -518,6 +539,7 @@ def _validate(fn, world_size, backend, timeout, args, kwargs, threads_per_rank, 
         bad = [k for k in kwargs if not isinstance(k, str)]
         if bad:
             raise ValueError(f"kwargs keys must be strings (they become keyword arguments), got {bad[0]!r}")
+    _check_call(fn, args, kwargs or {})
     if threads_per_rank is not None and (not _is_int(threads_per_rank) or threads_per_rank < 1):
         raise ValueError(f"threads_per_rank must be an int >= 1 or None (the cores divided among "
                          f"the ranks), got {threads_per_rank!r}")
@@ -1028,7 +1050,8 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", *, args: tu
     environment variables for the ranks (e.g. ``{"NCCL_ALGO": "Tree"}``);
     each rank uses ``threads_per_rank`` intra-op threads (default: the cores
     divided among the ranks). Bad arguments raise ValueError before any
-    process starts; ``world_size`` is capped by :func:`world_size_limit`.
+    process starts, ``args``/``kwargs`` that ``fn``'s signature does not
+    accept included; ``world_size`` is capped by :func:`world_size_limit`.
     """
     runner = Launch(fn, world_size, backend, args=args, kwargs=kwargs, timeout=timeout,
                     threads_per_rank=threads_per_rank, env=env, on_record=on_record,

@@ -1,7 +1,9 @@
 """The launcher at its edges: exposure, leftovers, blame, odd values, bad input, odd mains."""
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import ipaddress
 import math
 import os
@@ -296,7 +298,17 @@ def test_a_module_the_rank_cannot_import_is_explained(no_leftovers, tmp_path, mo
     (dict(timeout=1e300), "at most"),
     (dict(on_record=5), "on_record must be callable"),
 ])
-def test_bad_input_is_refused_before_any_process(no_leftovers, monkeypatch, kwargs, match):
+def test_bad_input_is_refused_before_any_process(nothing_starts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch(lambda: 1, **{"world_size": 2, **kwargs})
+
+
+@pytest.fixture
+def nothing_starts(no_leftovers, monkeypatch):
+    """Fail the test if the launch creates its store or a rank process, or any process appears.
+
+    Structural, not timed: a refused launch never gets that far.
+    """
     started = []
 
     def refuse(what):
@@ -305,14 +317,44 @@ def test_bad_input_is_refused_before_any_process(no_leftovers, monkeypatch, kwar
             raise AssertionError(f"{what} started before the bad input was refused")
         return spy
 
-    # Structural, not timed: the store and the rank processes are never created.
     monkeypatch.setattr(launcher._RankProcess, "start", refuse("a rank process"))
     monkeypatch.setattr(launcher, "_loopback_store", refuse("the rendezvous store"))
     before = psutil.Process().children(recursive=True)
-    with pytest.raises(ValueError, match=match):
-        launch(lambda: 1, **{"world_size": 2, **kwargs})
+    yield
     assert started == []
     assert psutil.Process().children(recursive=True) == before
+
+
+def takes_lr(lr, *, momentum=0.9):
+    return lr * momentum
+
+
+@pytest.mark.parametrize("fn, args, kwargs, match", [
+    (takes_lr, (0.1,), {"momentun": 0.5}, "unexpected keyword argument 'momentun'"),
+    (takes_lr, (), {"lrr": 0.1}, "missing a required argument: 'lr'"),
+    (takes_lr, (0.1, 0.5), {}, "too many positional arguments"),
+    (takes_lr, (0.1,), {"lr": 0.2}, "multiple values for argument 'lr'"),
+    (lambda: 1, (), {"x": 1}, "<lambda>.. cannot be called .*unexpected keyword argument 'x'"),
+    (functools.partial(takes_lr, 0.1), (), {"lr": 0.3}, "partial.*takes_lr.*argument 'lr'"),
+])
+def test_arguments_the_function_does_not_take_are_refused_before_any_process(
+        nothing_starts, fn, args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch(fn, world_size=2, args=args, kwargs=kwargs)
+
+
+class Scaled:
+    def __call__(self, x, **extra):
+        return x * (dist.get_rank() + 1) + len(extra)
+
+
+def test_what_the_signature_accepts_launches(no_leftovers):
+    assert launch(takes_lr, world_size=1, args=(2.0,), kwargs={"momentum": 0.5}).returns == [1.0]
+    assert launch(Scaled(), world_size=2, args=(3,), kwargs={"anything": 1}).returns == [4, 7]
+    # A builtin whose signature cannot be read is not checked here; it runs in the ranks.
+    with pytest.raises(ValueError):
+        inspect.signature(max)
+    assert launch(max, world_size=1, args=(3, 4)).returns == [4]
 
 
 def test_world_size_limit_can_be_raised_or_lowered(no_leftovers, monkeypatch):
@@ -349,6 +391,29 @@ PROGRAM = textwrap.dedent("""
         return t.item()
     print("RESULT", launch(total, world_size=2, args=(3,), timeout=120).returns)
 """)
+
+
+BAD_KEYWORD_PROGRAM = textwrap.dedent("""
+    import psutil
+    from ddplab import launch
+    def train(lr, steps=3):
+        return lr * steps
+    try:
+        launch(train, world_size=2, args=(0.1,), kwargs={"step": 5})
+    except ValueError as exc:
+        print("REFUSED", exc)
+    print("CHILDREN", len(psutil.Process().children(recursive=True)))
+""")
+
+
+def test_a_bad_keyword_from_python_dash_c_is_refused_before_any_process(tmp_path):
+    # A function of `python -c` has no source file; its signature is read all the same.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([PY, "-c", BAD_KEYWORD_PROGRAM], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)
+    assert "REFUSED train(lr, steps=3) cannot be called" in proc.stdout, proc.stderr[-3000:]
+    assert "unexpected keyword argument 'step'" in proc.stdout
+    assert "CHILDREN 0" in proc.stdout  # not even the forkserver was started
 
 
 @pytest.mark.slow  # three fresh interpreters import torch side by side: about 30 s on 2 cores

@@ -21,7 +21,12 @@ Why the machinery:
   launching works from ``python -``, ``python -c`` and scripts without an
   ``if __name__ == "__main__":`` guard.
 * Each rank leads its own process group, so stopping a launch also stops
-  what a rank started, even after the rank itself exited.
+  what a rank started, even after the rank itself exited. On Linux each
+  rank and the forkserver are also child subreapers: a daemon a rank
+  starts (``setsid()``, double fork) stays below the rank, or below the
+  forkserver once the rank is gone, and is stopped too. The forkserver is
+  ddplab's own, not multiprocessing's shared one, so everything below it
+  that is not a running rank is a leftover of a rank.
 * The parent waits on one pipe per rank and on the process sentinels at once:
   an exception, a death by signal or a hang is seen the moment it happens,
   every rank is stopped, and records emitted before the failure are kept on
@@ -113,6 +118,8 @@ FAILURE_GRACE = 0.4
 #: constructor and torch.optim import torch._dynamo lazily: about 1 s per rank
 #: on an idle core (up to 7 s under load) on every launch, unless preloaded.
 FORKSERVER_PRELOAD = ["ddplab.launcher", "torch._dynamo", "torch.nn.parallel", "torch.optim"]
+#: Imported first in the forkserver: makes it a subreaper (:mod:`ddplab._rank_server`).
+SERVER_SETUP = "ddplab._rank_server"
 #: How many lines of a stuck rank's Python stack go into a timeout message.
 STACK_LINES = 30
 
@@ -291,6 +298,11 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
         os.setpgid(0, 0)
     except OSError:
         pass
+    # And adopt orphans (Linux): a daemon that left the group by setsid() and
+    # whose own parent exited stays among this rank's descendants.
+    from ddplab.process_tree import become_subreaper
+
+    become_subreaper()
     # Capture at the file-descriptor level so C++ output (gloo, NCCL) lands too.
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -321,6 +333,12 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
                 peers[:] = lifeline.recv()
         except (EOFError, OSError):
             pass
+        from ddplab.process_tree import descendants
+
+        # A subreaper's descendants include the daemons that left its group.
+        for child in descendants(os.getpid()):
+            with contextlib.suppress(Exception):
+                child.kill()
         if os.getpgid(0) == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(70)
@@ -386,9 +404,20 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
 
 
 def _context():
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    return ctx
+    return multiprocessing.get_context("forkserver")
+
+
+#: ddplab's own forkserver: the parent of every rank and of nothing else, so
+#: that its children that are not running ranks are leftovers (see
+#: :meth:`Launch._kill_strays`). multiprocessing's shared one also starts the
+#: user's processes (the default start method from Python 3.14) and keeps the
+#: user's preload list.
+_FORKSERVER = multiprocessing.forkserver.ForkServer()
+_FORKSERVER.set_forkserver_preload([SERVER_SETUP, *FORKSERVER_PRELOAD])
+#: The pids of ranks started and not yet reaped, across launches; changed and
+#: read under ``_spawn_lock``, which is also held while a rank is being forked.
+_rank_pids: set[int] = set()
+_spawn_lock = threading.Lock()
 
 
 class _RankPopen(multiprocessing.popen_forkserver.Popen):
@@ -416,14 +445,18 @@ class _RankPopen(multiprocessing.popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             set_spawning_popen(None)
-        self.sentinel, w = multiprocessing.forkserver.connect_to_new_process(self._fds)
-        # The child watches a duplicate of the data pipe's write end to see the parent go.
-        parent_w = os.dup(w)
-        self.finalizer = multiprocessing.util.Finalize(
-            self, multiprocessing.util.close_fds, (parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+        # From the fork to its pid in _rank_pids, a new rank is a child of the
+        # forkserver that nobody knows: no stray sweep may run meanwhile.
+        with _spawn_lock:
+            self.sentinel, w = _FORKSERVER.connect_to_new_process(self._fds)
+            # The child watches a duplicate of the data pipe's write end to see the parent go.
+            parent_w = os.dup(w)
+            self.finalizer = multiprocessing.util.Finalize(
+                self, multiprocessing.util.close_fds, (parent_w, self.sentinel))
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+            _rank_pids.add(self.pid)
 
 
 class _RankProcess(multiprocessing.context.ForkServerProcess):
@@ -1003,6 +1036,27 @@ class Launch:
         kill_all(family, timeout=5)
         for p in procs:
             p.join(5)
+        with _spawn_lock:
+            _rank_pids.difference_update(p.pid for p in procs if p.exitcode is not None)
+        Launch._kill_strays()
+
+    @staticmethod
+    def _kill_strays() -> None:
+        """Kill what the forkserver adopted: the leftovers of ranks that are gone.
+
+        A rank's daemon outlives the rank once the rank exits (returned,
+        raised, died); as a subreaper the forkserver adopts it. Only leftovers
+        reach the forkserver (a running rank adopts its own orphans), so this
+        is safe while other launches run; their dead ranks' leftovers go too.
+        """
+        from ddplab.process_tree import kill_all, strays
+
+        server = _FORKSERVER._forkserver_pid
+        if server is None:
+            return
+        with _spawn_lock:
+            found = strays(server, keep=_rank_pids)
+        kill_all(found, timeout=5)
 
     def _read_outputs(self) -> tuple[list[str], list[str]]:
         outs, errs = [], []

@@ -159,6 +159,54 @@ def test_children_of_a_failed_rank_are_stopped(no_leftovers, how, error):
     assert all_gone(_values(frame, "grandchild_pid") + _values(frame, "pid"))
 
 
+#: A daemon the classic way: fork, setsid, fork again; the first two exit, the last sleeps.
+DAEMON = """
+import os, sys, time
+if os.fork():
+    sys.exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+print(os.getpid(), flush=True)
+time.sleep(300)
+"""
+
+
+def start_daemons_then(how):
+    # Leaves the rank's process group and session; its parent is still the rank.
+    session = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    # Orphaned at once: its parents exit, so no process of the rank's is its parent.
+    starter = subprocess.Popen([sys.executable, "-c", DAEMON], stdout=subprocess.PIPE, text=True)
+    daemon = int(starter.stdout.readline())
+    starter.wait()
+    starter.stdout.close()
+    ddplab.emit("daemon_pid", session.pid)
+    ddplab.emit("daemon_pid", daemon)
+    ddplab.emit("pid", os.getpid())
+    if how == "raise":
+        raise RuntimeError("planted failure after starting daemons")
+    if how == "exit":
+        os._exit(3)  # no cleanup in the rank at all
+    if how == "hang":
+        time.sleep(60)
+    return "returned"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper is Linux-only")
+@pytest.mark.parametrize("how, error", [("return", None), ("raise", RankFailed), ("exit", RankDied),
+                                        ("hang", LaunchTimeout)])
+def test_daemons_a_rank_starts_are_stopped_too(no_leftovers, how, error):
+    if error is None:
+        frame = launch(start_daemons_then, world_size=1, args=(how,), timeout=60).records
+    else:
+        with pytest.raises(error) as info:
+            launch(start_daemons_then, world_size=1, args=(how,), timeout=3 if how == "hang" else 60)
+        frame = info.value.records
+    daemons = _values(frame, "daemon_pid")
+    assert len(daemons) == 2
+    assert all_gone(daemons + _values(frame, "pid"))
+
+
 SIGTERM_PROOF = """
 import signal, sys, time
 import torch.distributed as dist

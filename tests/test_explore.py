@@ -65,6 +65,25 @@ def test_stop_button_ends_a_running_launch(no_leftovers):
     assert len(explorer.records) > 0  # what was streamed before the stop is kept
 
 
+#: A count of cases or reports in prose: "the four reproduced reports", "5 cases".
+COUNTED = re.compile(r"\b(one|two|three|four|five|six|seven|eight|nine|ten|\d+)\s+"
+                     r"(?:\w+\s+)?(cases|reports)\b", re.IGNORECASE)
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def test_the_explorers_text_states_no_wrong_count_of_cases():
+    """The intro describes what the case menu offers: every registered case."""
+    import json
+
+    nb = json.loads((NOTEBOOKS / "00_explore.ipynb").read_text())
+    text = " ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    offered = CaseExplorer().case_picker.options
+    assert list(offered) == case_names()
+    for number, _ in COUNTED.findall(text):
+        count = int(number) if number.isdigit() else WORDS.index(number.lower())
+        assert count == len(offered), f"the intro says {number!r}; the menu offers {len(offered)}"
+
+
 def test_bad_values_are_reported_without_running():
     explorer = CaseExplorer("backend_divergence")
     explorer.inputs["world_sizes"].value = "2, 0"

@@ -969,8 +969,11 @@ class Launch:
 
         Ranks get SIGTERM and :data:`STOP_GRACE` seconds, then SIGKILL goes to
         each rank's process group -- which still holds the children of a rank
-        that already exited -- and to descendants that left the group. A
-        second Ctrl-C skips the grace period, never the kill.
+        that already exited -- to the descendants of the live ranks, daemons
+        that left the group included (each rank is a subreaper), and to what
+        the forkserver adopted from ranks that are gone
+        (:meth:`_kill_strays`). A second Ctrl-C skips the grace period, never
+        the kill.
         """
         with _active_lock:
             _active.discard(self)

@@ -1,4 +1,4 @@
-"""The launcher at its edges: exposure, leftovers, blame, odd values, bad input, odd mains."""
+"""The launcher at its edges: what ranks print and start, exposure, leftovers, blame, odd values, bad input, odd mains."""
 from __future__ import annotations
 
 import functools

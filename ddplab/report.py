@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -227,6 +228,9 @@ def _reproduce_command(spec: CaseSpec, shown_params: dict) -> str:
     return f"ddplab report {spec.path or spec.name} {overrides}".strip()
 
 
+#: How a disk refuses a case's files: full, read-only, over quota, too large, not allowed, failing.
+_WRITE_REFUSED = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
+                  errno.EIO}
 #: Publishing (nbconvert, the files) takes a second; one case at a time keeps it simple.
 _PUBLISH_LOCK = threading.Lock()
 #: What a running case writes in its folder: renamed or removed once it is published.
@@ -243,7 +247,10 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
         return _execute_and_publish(spec, params, out_dir, timeout=timeout, no_input=no_input,
                                     index=index, total=total, echo=echo, stop=stop,
                                     interactive=interactive)
-    except OSError as exc:  # ENOSPC, EROFS, EDQUOT...: the other cases still run
+    except OSError as exc:
+        if exc.errno not in _WRITE_REFUSED:
+            raise
+        # The disk, not the case: the other cases still run (and may fit).
         return _unpublished(spec, out_dir, time.perf_counter() - t0, exc, index=index, total=total,
                             echo=echo)
 
@@ -364,7 +371,8 @@ def _unpublished(spec: CaseSpec, out_dir: pathlib.Path, seconds: float, exc: OSE
                  index: int, total: int, echo: Callable[[str], None]) -> CaseOutcome:
     """The outcome of a case whose files could not be written: failed, saying why and where."""
     _remove_scratch(out_dir / spec.name)
-    error = (f"its report could not be written to {out_dir / spec.name}: {exc.strerror or exc} "
+    where = f" ({exc.filename})" if exc.filename else ""
+    error = (f"its report could not be written to {out_dir / spec.name}: {exc.strerror or exc}{where} "
              f"(any earlier report there is unchanged)")
     echo(f"[{index}/{total}] {spec.name}: failed in {seconds:.1f} s — {error}")
     return CaseOutcome(

@@ -1,6 +1,7 @@
 """The launcher at its edges: what ranks print and start, exposure, leftovers, blame, odd values, bad input, odd mains."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -205,6 +207,36 @@ def test_daemons_a_rank_starts_are_stopped_too(no_leftovers, how, error):
     daemons = _values(frame, "daemon_pid")
     assert len(daemons) == 2
     assert all_gone(daemons + _values(frame, "pid"))
+
+
+def daemon_then_wait():
+    daemon = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    ddplab.emit("daemon_pid", daemon.pid)
+    ddplab.emit("pid", os.getpid())
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper is Linux-only")
+def test_stopping_leftovers_spares_the_ranks_and_daemons_of_a_running_launch(no_leftovers):
+    seen, ended = [], []
+    running = Launch(daemon_then_wait, world_size=2, timeout=60, on_record=seen.append).start()
+    waiter = threading.Thread(target=lambda: ended.append(pytest.raises(LaunchStopped, running.wait)))
+    waiter.start()  # as the explorer does: records arrive while wait() runs
+    try:
+        deadline = time.monotonic() + 30
+        while len([r for r in seen if r["metric"] == "daemon_pid"]) < 2:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+        theirs = [int(r["value"]) for r in seen if r["metric"] in ("daemon_pid", "pid")]
+        for how in ("return", "exit"):  # each teardown stops the leftovers below the forkserver
+            with contextlib.suppress(RankDied):
+                launch(start_daemons_then, world_size=1, args=(how,), timeout=60)
+        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in theirs)
+    finally:
+        running.stop()
+        waiter.join(30)
+    assert ended, "the running launch did not end as stopped"
+    assert all_gone(theirs)
 
 
 SIGTERM_PROOF = """

@@ -53,8 +53,14 @@ test-all: $(STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
+# The lab's defaults (lab/settings/overrides.json, read as JupyterLab's application
+# settings): no news feed, so no "notified about official Jupyter news?" pop-up over
+# the notebook, and no update check; both stay one setting away (Settings >
+# Notifications). tests/test_explore.py starts a lab with these same arguments.
+LAB_ARGS := --notebook-dir=notebooks --LabApp.app_settings_dir=$(CURDIR)/lab/settings
+
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab $(LAB_ARGS)
 
 bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

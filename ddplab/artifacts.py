@@ -19,7 +19,8 @@ from ddplab.records import to_frame
 from ddplab.verdict import Verdict
 
 __all__ = ["CaseResults", "save_results", "load_results", "write_jsonl", "read_jsonl",
-           "atomic_write_text", "atomic_write_bytes", "local_path_scrubber", "scrub_notebook"]
+           "atomic_write_text", "atomic_write_bytes", "atomic_write_files", "local_path_scrubber",
+           "scrub_notebook"]
 
 
 @dataclasses.dataclass
@@ -44,24 +45,49 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file and a rename (never half-written).
+def _stage(path: pathlib.Path, data: bytes) -> str:
+    """Write ``data`` to a new temporary file beside ``path``; return its name (removed on failure).
 
     The file gets the mode any new file gets (0666 less the umask): reports
     are meant to be shared, and mkstemp's private 0600 would hide them.
     """
-    path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return tmp
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file and a rename (never half-written)."""
+    atomic_write_files({path: data})
+
+
+def atomic_write_files(files: dict) -> None:
+    """Write every ``{path: bytes}`` or none of them.
+
+    All are written to temporary names first; only once every one is
+    written are they renamed into place. A rename needs no space, so a full
+    disk (or any failed write) leaves every earlier file as it was, whole,
+    and no temporary file behind.
+    """
+    staged: list[tuple[str, pathlib.Path]] = []
+    try:
+        for path, data in files.items():
+            path = pathlib.Path(path)
+            staged.append((_stage(path, data), path))
+    except BaseException:
+        for tmp, _ in staged:
+            os.unlink(tmp)
+        raise
+    for tmp, path in staged:
+        os.replace(tmp, path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -14,6 +14,9 @@ Example::
     >>> render("{n} of {total} changed; ratio {ratio}, norm {norm:r}",
     ...        {"n": 0, "total": 14, "ratio": 0.52973, "norm": 5.65625})
     '0 of 14 changed; ratio 0.5297, norm 5.65625'
+
+Text that comes from a rank (an exception's message, its stderr) goes
+through :func:`visible_controls` before ddplab prints it.
 """
 from __future__ import annotations
 
@@ -22,12 +25,28 @@ import numbers
 import re
 from typing import Any, Mapping
 
-__all__ = ["fmt", "render", "render_field", "template_fields"]
+__all__ = ["fmt", "render", "render_field", "template_fields", "visible_controls"]
 
 #: Significant digits of a float printed without a spec.
 DIGITS = 4
 
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([^{}]*))?\}")
+#: Control characters a terminal acts on: C0 but newline and tab, DEL, and C1
+#: (U+009B is a one-character CSI to some terminals, like ESC [).
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible_controls(text: str) -> str:
+    """``text`` with every control character but newline and tab written as its escape.
+
+    ``"\\x1b[2J"`` comes out as the printable ``\\x1b[2J``, NUL as
+    ``\\x00``, a carriage return as ``\\x0d``: printed in a terminal, an
+    escape sequence from a rank would be executed (clear the screen, retitle
+    the window, hide the lines before it); in a log it corrupts the line.
+    Newlines and tabs stay, so tracebacks keep their shape. Only for text
+    shown to a person: stored records keep the original characters.
+    """
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def fmt(x: Any, digits: int = DIGITS) -> str:

@@ -13,7 +13,7 @@ import json
 import os
 import pathlib
 
-from ddplab.artifacts import atomic_write_text
+from ddplab.artifacts import atomic_write_files
 from ddplab.environment import environment_markdown
 from ddplab.notebook import parameters_markdown
 from ddplab.verdict import Verdict
@@ -136,7 +136,9 @@ def write_index(out_dir: str | os.PathLike, outcomes: list[CaseOutcome], *, tota
     """Write index.html and index.json into ``out_dir``; return the HTML path."""
     out_dir = pathlib.Path(out_dir)
     path = out_dir / "index.html"
-    atomic_write_text(path, index_html(outcomes, total_seconds=total_seconds))
-    atomic_write_text(out_dir / "index.json", json.dumps(
-        {"total_seconds": total_seconds, "cases": [o.to_dict() for o in outcomes]}, indent=2))
+    # Both or neither: the page and its data never describe different batches.
+    atomic_write_files({
+        path: index_html(outcomes, total_seconds=total_seconds).encode("utf-8"),
+        out_dir / "index.json": json.dumps({"total_seconds": total_seconds,
+                                            "cases": [o.to_dict() for o in outcomes]}, indent=2).encode("utf-8")})
     return path

@@ -21,7 +21,12 @@ Why the machinery:
   launching works from ``python -``, ``python -c`` and scripts without an
   ``if __name__ == "__main__":`` guard.
 * Each rank leads its own process group, so stopping a launch also stops
-  what a rank started, even after the rank itself exited.
+  what a rank started, even after the rank itself exited. On Linux each
+  rank and the forkserver are also child subreapers: a daemon a rank
+  starts (``setsid()``, double fork) stays below the rank, or below the
+  forkserver once the rank is gone, and is stopped too. The forkserver is
+  ddplab's own, not multiprocessing's shared one, so everything below it
+  that is not a running rank is a leftover of a rank.
 * The parent waits on one pipe per rank and on the process sentinels at once:
   an exception, a death by signal or a hang is seen the moment it happens,
   every rank is stopped, and records emitted before the failure are kept on
@@ -43,6 +48,7 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
+import inspect
 import io
 import math
 import multiprocessing
@@ -66,6 +72,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from ddplab import records as _records
+from ddplab.formatting import visible_controls
 from ddplab.rank import check_backend
 
 __all__ = [
@@ -111,6 +118,8 @@ FAILURE_GRACE = 0.4
 #: constructor and torch.optim import torch._dynamo lazily: about 1 s per rank
 #: on an idle core (up to 7 s under load) on every launch, unless preloaded.
 FORKSERVER_PRELOAD = ["ddplab.launcher", "torch._dynamo", "torch.nn.parallel", "torch.optim"]
+#: Imported first in the forkserver: makes it a subreaper (:mod:`ddplab._rank_server`).
+SERVER_SETUP = "ddplab._rank_server"
 #: How many lines of a stuck rank's Python stack go into a timeout message.
 STACK_LINES = 30
 
@@ -289,6 +298,11 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
         os.setpgid(0, 0)
     except OSError:
         pass
+    # And adopt orphans (Linux): a daemon that left the group by setsid() and
+    # whose own parent exited stays among this rank's descendants.
+    from ddplab.process_tree import become_subreaper
+
+    become_subreaper()
     # Capture at the file-descriptor level so C++ output (gloo, NCCL) lands too.
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -319,6 +333,12 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
                 peers[:] = lifeline.recv()
         except (EOFError, OSError):
             pass
+        from ddplab.process_tree import descendants
+
+        # A subreaper's descendants include the daemons that left its group.
+        for child in descendants(os.getpid()):
+            with contextlib.suppress(Exception):
+                child.kill()
         if os.getpgid(0) == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)
         os._exit(70)
@@ -384,9 +404,20 @@ def _rank_main(payload: bytes, rank: int, world_size: int, backend: str, port: i
 
 
 def _context():
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    return ctx
+    return multiprocessing.get_context("forkserver")
+
+
+#: ddplab's own forkserver: the parent of every rank and of nothing else, so
+#: that its children that are not running ranks are leftovers (see
+#: :meth:`Launch._kill_strays`). multiprocessing's shared one also starts the
+#: user's processes (the default start method from Python 3.14) and keeps the
+#: user's preload list.
+_FORKSERVER = multiprocessing.forkserver.ForkServer()
+_FORKSERVER.set_forkserver_preload([SERVER_SETUP, *FORKSERVER_PRELOAD])
+#: The pids of ranks started and not yet reaped, across launches; changed and
+#: read under ``_spawn_lock``, which is also held while a rank is being forked.
+_rank_pids: set[int] = set()
+_spawn_lock = threading.Lock()
 
 
 class _RankPopen(multiprocessing.popen_forkserver.Popen):
@@ -414,14 +445,18 @@ class _RankPopen(multiprocessing.popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             set_spawning_popen(None)
-        self.sentinel, w = multiprocessing.forkserver.connect_to_new_process(self._fds)
-        # The child watches a duplicate of the data pipe's write end to see the parent go.
-        parent_w = os.dup(w)
-        self.finalizer = multiprocessing.util.Finalize(
-            self, multiprocessing.util.close_fds, (parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+        # From the fork to its pid in _rank_pids, a new rank is a child of the
+        # forkserver that nobody knows: no stray sweep may run meanwhile.
+        with _spawn_lock:
+            self.sentinel, w = _FORKSERVER.connect_to_new_process(self._fds)
+            # The child watches a duplicate of the data pipe's write end to see the parent go.
+            parent_w = os.dup(w)
+            self.finalizer = multiprocessing.util.Finalize(
+                self, multiprocessing.util.close_fds, (parent_w, self.sentinel))
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = multiprocessing.forkserver.read_signed(self.sentinel)
+            _rank_pids.add(self.pid)
 
 
 class _RankProcess(multiprocessing.context.ForkServerProcess):
@@ -491,6 +526,26 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_call(fn, args, kwargs: dict) -> None:
+    """Raise ValueError if ``fn(*args, **kwargs)`` cannot bind, where ``fn``'s signature can be read.
+
+    Without this a keyword ``fn`` does not take fails in every rank, seconds
+    later, after the store, the processes and the process group were set up.
+    The signature is the one ``inspect.signature`` reads (a ``functools.wraps``
+    decorator shows the wrapped function's); builtins without one (``max``)
+    are not checked here: the ranks report what they raise.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        raise ValueError(f"{name}{signature} cannot be called with these arguments: {exc}") from None
+
+
 def _validate(fn, world_size, backend, timeout, args, kwargs, threads_per_rank, env,
               on_record, progress) -> dict[str, str]:
     """Raise ValueError for any bad argument (before a process starts); return ``env`` as strings."""
@@ -517,6 +572,7 @@ def _validate(fn, world_size, backend, timeout, args, kwargs, threads_per_rank, 
         bad = [k for k in kwargs if not isinstance(k, str)]
         if bad:
             raise ValueError(f"kwargs keys must be strings (they become keyword arguments), got {bad[0]!r}")
+    _check_call(fn, args, kwargs or {})
     if threads_per_rank is not None and (not _is_int(threads_per_rank) or threads_per_rank < 1):
         raise ValueError(f"threads_per_rank must be an int >= 1 or None (the cores divided among "
                          f"the ranks), got {threads_per_rank!r}")
@@ -568,7 +624,9 @@ def _sigint_deferred():
 
 
 def _tail(text: str, lines: int) -> str:
-    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+    """The last ``lines`` lines of ``text``, split at newlines only (splitlines() would also
+    split at, and drop, the carriage returns and separators a rank printed)."""
+    return "\n".join(text.rstrip("\n").split("\n")[-lines:])
 
 
 def _stack_from_dump(stderr_text: str) -> str:
@@ -857,6 +915,9 @@ class Launch:
             lines = [f"  rank {f['rank']} {self._failure_text(f, brief=True)}"
                      for f in sorted(others, key=lambda f: f["time"])]
             message += "\n--- then, as a consequence ---\n" + "\n".join(lines)
+        # The rank's own text is shown with its control characters escaped; the
+        # attributes and result.stdout/stderr keep it as the rank wrote it.
+        message = visible_controls(message)
         if cause["kind"] == "death":
             raise RankDied(message, result, rank, cause["code"])
         raise RankFailed(message, result, rank, cause["info"]["type"], cause["info"]["traceback"])
@@ -895,7 +956,7 @@ class Launch:
         for r in pending:
             if stacks[r]:
                 lines.append(f"--- rank {r} stack at the timeout ---\n{stacks[r]}")
-        raise LaunchTimeout("\n".join(lines), result, returned, pending, last, stacks)
+        raise LaunchTimeout(visible_controls("\n".join(lines)), result, returned, pending, last, stacks)
 
     def _fail_stopped(self) -> None:
         result = self._partial()
@@ -908,8 +969,11 @@ class Launch:
 
         Ranks get SIGTERM and :data:`STOP_GRACE` seconds, then SIGKILL goes to
         each rank's process group -- which still holds the children of a rank
-        that already exited -- and to descendants that left the group. A
-        second Ctrl-C skips the grace period, never the kill.
+        that already exited -- to the descendants of the live ranks, daemons
+        that left the group included (each rank is a subreaper), and to what
+        the forkserver adopted from ranks that are gone
+        (:meth:`_kill_strays`). A second Ctrl-C skips the grace period, never
+        the kill.
         """
         with _active_lock:
             _active.discard(self)
@@ -975,6 +1039,27 @@ class Launch:
         kill_all(family, timeout=5)
         for p in procs:
             p.join(5)
+        with _spawn_lock:
+            _rank_pids.difference_update(p.pid for p in procs if p.exitcode is not None)
+        Launch._kill_strays()
+
+    @staticmethod
+    def _kill_strays() -> None:
+        """Kill what the forkserver adopted: the leftovers of ranks that are gone.
+
+        A rank's daemon outlives the rank once the rank exits (returned,
+        raised, died); as a subreaper the forkserver adopts it. Only leftovers
+        reach the forkserver (a running rank adopts its own orphans), so this
+        is safe while other launches run; their dead ranks' leftovers go too.
+        """
+        from ddplab.process_tree import kill_all, strays
+
+        server = _FORKSERVER._forkserver_pid
+        if server is None:
+            return
+        with _spawn_lock:
+            found = strays(server, keep=_rank_pids)
+        kill_all(found, timeout=5)
 
     def _read_outputs(self) -> tuple[list[str], list[str]]:
         outs, errs = [], []
@@ -983,7 +1068,8 @@ class Launch:
             for dest, ext in ((outs, "out"), (errs, "err")):
                 path = os.path.join(self._tmpdir.name, f"rank{rank}.{ext}") if self._tmpdir else ""
                 try:
-                    with open(path, errors="replace") as fh:
+                    # newline="": a rank's "\r" stays "\r" (the text as the rank wrote it).
+                    with open(path, errors="replace", newline="") as fh:
                         dest.append(fh.read())
                     self._started_ranks.add(rank)
                 except OSError:
@@ -1021,7 +1107,8 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", *, args: tu
     environment variables for the ranks (e.g. ``{"NCCL_ALGO": "Tree"}``);
     each rank uses ``threads_per_rank`` intra-op threads (default: the cores
     divided among the ranks). Bad arguments raise ValueError before any
-    process starts; ``world_size`` is capped by :func:`world_size_limit`.
+    process starts, ``args``/``kwargs`` that ``fn``'s signature does not
+    accept included; ``world_size`` is capped by :func:`world_size_limit`.
     """
     runner = Launch(fn, world_size, backend, args=args, kwargs=kwargs, timeout=timeout,
                     threads_per_rank=threads_per_rank, env=env, on_record=on_record,

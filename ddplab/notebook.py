@@ -27,11 +27,15 @@ from ddplab.environment import environment_markdown
 from ddplab.progress import in_batch
 from ddplab.verdict import Verdict
 
-__all__ = ["setup", "CaseSession", "IO_PARAMETERS", "parameters_markdown", "parameters_source",
-           "template_notebook"]
+__all__ = ["setup", "CaseSession", "IO_PARAMETERS", "KERNELSPEC", "parameters_markdown",
+           "parameters_source", "template_notebook"]
 
 #: Notebook parameters every case notebook has besides its case's own.
 IO_PARAMETERS = ("results_dir", "run_dir")
+#: The kernel every notebook opens on: the one ``make setup`` registers for
+#: this environment (``ipykernel install --sys-prefix --name ddplab``), so
+#: JupyterLab starts ddplab's Python, not whichever "python3" it finds first.
+KERNELSPEC = {"name": "ddplab", "display_name": "Python (ddplab)", "language": "python"}
 
 
 def parameters_markdown(params: dict) -> str:
@@ -206,8 +210,7 @@ def template_notebook(case: "str | Case", case_path: str | None = None):
         v4.new_markdown_cell("## Verdict\n\nComputed from the records above."),
         verdict,
     ])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
-                                 "language": "python"}
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
     return nb
 
 

@@ -176,6 +176,12 @@ def execute_notebook(notebook: str | os.PathLike, output: str | os.PathLike, *,
     ``on_poll(elapsed, cell)`` is called about every :data:`POLL_INTERVAL`
     seconds with the index of the cell papermill is executing (for progress).
     Once ``stop`` is requested the run is killed and ends "interrupted".
+
+    ``kernel_name`` stays "python3", not the "ddplab" the notebooks name:
+    ipykernel provides "python3" whether or not a spec was registered, and
+    its command is plain ``python``, which jupyter_client replaces by the
+    interpreter running papermill -- this one. So a report runs where
+    ``make setup`` never registered "ddplab"; that spec is for JupyterLab.
     """
     output = pathlib.Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)

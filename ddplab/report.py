@@ -7,8 +7,10 @@ write ``reports/<case>/``: ``report.html`` (self-contained, offline),
 ``notebook.ipynb``, ``results/`` (records, verdict, parameters, environment)
 and ``papermill.log``. Finally ``reports/index.html`` lists every case.
 A failing or timed-out notebook does not stop the others; the command exits
-non-zero if any case did not end ok. Every file is written to a temporary
-name and renamed, so a re-run never leaves a half-written report behind.
+non-zero if any case did not end ok. A case's files are written under
+temporary names and renamed into place together once all are written, so a
+re-run -- or a disk that fills up -- never leaves a half-written report
+behind; a case whose files cannot be written ends "failed", saying why.
 
 ``jobs`` notebooks run at once (``--jobs``). Each case is mostly one process
 at a time -- a kernel drawing figures, a papermill waiting, two ranks
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import json
 import os
 import pathlib
 import shlex
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,9 +38,8 @@ from typing import Callable, Iterable
 import nbformat
 import yaml
 
-from ddplab.artifacts import (atomic_write_bytes, atomic_write_text, load_results, local_path_scrubber,
-                              scrub_notebook)
-from ddplab.cases import Case, case_names, get_case
+from ddplab.artifacts import atomic_write_files, load_results, local_path_scrubber, scrub_notebook
+from ddplab.cases import Case, case_names, check_case_name, get_case
 from ddplab.environment import environment_info
 from ddplab.html_report import header_markdown, notebook_to_html
 from ddplab.index_page import CaseOutcome, summary_markdown, write_index
@@ -46,7 +49,7 @@ from ddplab.progress import PROGRESS_FILE_ENV, read_progress
 from ddplab.notebook import IO_PARAMETERS
 from ddplab.verdict import Verdict, verdicts_from_notebook
 
-__all__ = ["CaseSpec", "case_specs", "plan_batch", "run_batch", "run_report",
+__all__ = ["CaseSpec", "case_specs", "check_output_dir", "plan_batch", "run_batch", "run_report",
            "DEFAULT_TIMEOUT", "IO_PARAMETERS"]
 
 #: Seconds one notebook may run before it is stopped and reported as timed out.
@@ -70,6 +73,9 @@ class CaseSpec:
     path: str | None = None
     #: The case's launch plan for given parameters (for progress and its estimate).
     plan: Callable[[dict], list] | None = None
+
+    def __post_init__(self) -> None:
+        check_case_name(self.name)  # it becomes a folder under --output
 
     def validate(self, values: dict) -> dict:
         return (self.check or self.parameters.validate)(values)
@@ -112,6 +118,11 @@ def plan_batch(specs: list[CaseSpec], *, overrides: Iterable[tuple[str, str]] = 
             loaded = yaml.safe_load(pathlib.Path(params_file).read_text()) or {}
         except OSError as exc:
             raise ValueError(f"cannot read parameters file {params_file}: {exc}") from None
+        except yaml.constructor.ConstructorError as exc:
+            # safe_load builds plain data only: a tag such as !!python/object would run code.
+            raise ValueError(f"parameters file {params_file} holds a YAML tag that is not plain data "
+                             f"({exc.problem}); only plain YAML is read (mappings, lists, numbers, "
+                             f"strings)") from None
         except yaml.YAMLError as exc:
             raise ValueError(f"parameters file {params_file} is not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):
@@ -217,6 +228,9 @@ def _reproduce_command(spec: CaseSpec, shown_params: dict) -> str:
     return f"ddplab report {spec.path or spec.name} {overrides}".strip()
 
 
+#: How a disk refuses a case's files: full, read-only, over quota, too large, not allowed, failing.
+_WRITE_REFUSED = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
+                  errno.EIO}
 #: Publishing (nbconvert, the files) takes a second; one case at a time keeps it simple.
 _PUBLISH_LOCK = threading.Lock()
 #: What a running case writes in its folder: renamed or removed once it is published.
@@ -227,6 +241,23 @@ _EXECUTING, _NEW_RESULTS, _PROGRESS, _LOG = (".notebook.executing.ipynb", ".resu
 def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: float,
              no_input: bool, index: int, total: int, echo: Callable[[str], None],
              stop: StopRequest | None = None, interactive: bool = False) -> CaseOutcome:
+    """Run one case's notebook and publish it; a disk that refuses its files makes it "failed"."""
+    t0 = time.perf_counter()
+    try:
+        return _execute_and_publish(spec, params, out_dir, timeout=timeout, no_input=no_input,
+                                    index=index, total=total, echo=echo, stop=stop,
+                                    interactive=interactive)
+    except OSError as exc:
+        if exc.errno not in _WRITE_REFUSED:
+            raise
+        # The disk, not the case: the other cases still run (and may fit).
+        return _unpublished(spec, out_dir, time.perf_counter() - t0, exc, index=index, total=total,
+                            echo=echo)
+
+
+def _execute_and_publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: float,
+                         no_input: bool, index: int, total: int, echo: Callable[[str], None],
+                         stop: StopRequest | None, interactive: bool) -> CaseOutcome:
     case_dir = out_dir / spec.name
     case_dir.mkdir(parents=True, exist_ok=True)
     executing = case_dir / _EXECUTING
@@ -257,16 +288,23 @@ def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: fl
 
 def _publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, outcome, *, no_input: bool,
              index: int, total: int, echo: Callable[[str], None]) -> CaseOutcome:
-    """Write ``out_dir/<case>/`` from a finished execution: results, report, summary, notebook, log."""
+    """Write ``out_dir/<case>/`` from a finished execution: results, report, summary, notebook, log.
+
+    All of it or none: every file is composed first and written under a
+    temporary name, then all are renamed into place and the results folder
+    swapped in (:func:`~ddplab.artifacts.atomic_write_files`). A write that
+    fails (a full or read-only disk) raises OSError and leaves the previous
+    report of the case as it was.
+    """
     case_dir = out_dir / spec.name
     executing = case_dir / _EXECUTING
-    _replace_dir(case_dir / _NEW_RESULTS, case_dir / "results")
+    new_results = case_dir / _NEW_RESULTS
 
     nb = nbformat.read(executing, as_version=4) if executing.exists() else nbformat.read(spec.notebook, as_version=4)
     verdict: Verdict | None = None
     environment = None
     try:
-        saved = load_results(case_dir / "results")
+        saved = load_results(new_results)
         verdict, environment = saved.verdict, saved.environment
         # What the notebook used (a run_dir brings its own parameters).
         params = {**params, **{k: v for k, v in saved.params.items() if k in spec.parameters}}
@@ -288,36 +326,59 @@ def _publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, outcome, *, no
                              failing_source=failing_source)
     scrub = local_path_scrubber(spec.notebook.parent)
     scrub_notebook(nb, scrub)
-    atomic_write_text(case_dir / "report.html",
-                      notebook_to_html(nb, header=scrub(header), no_input=no_input))
+    files = {case_dir / "report.html": notebook_to_html(nb, header=scrub(header), no_input=no_input)}
     png = _key_figure(nb)
     figure_name = "key-figure.png" if png is not None else None
     if png is not None:
-        atomic_write_bytes(case_dir / figure_name, png)
-    else:  # never leave an earlier run's figure beside this run's report
-        (case_dir / "key-figure.png").unlink(missing_ok=True)
+        files[case_dir / figure_name] = png
     result = CaseOutcome(
         name=spec.name, title=spec.title, reproduces=spec.reproduces, status=outcome.status,
         seconds=outcome.seconds, verdict=verdict, report=f"{spec.name}/report.html",
         summary=f"{spec.name}/summary.md", notebook=f"{spec.name}/notebook.ipynb",
         key_figure=f"{spec.name}/{figure_name}" if figure_name else None, error=outcome.error)
-    atomic_write_text(case_dir / "summary.md", summary_markdown(
+    files[case_dir / "summary.md"] = summary_markdown(
         result, params=shown_params, environment=environment, figure_name=figure_name,
-        command=_reproduce_command(spec, shown_params)))
+        command=_reproduce_command(spec, shown_params))
     if executing.exists():
         nb.metadata.get("papermill", {}).pop("input_path", None)
         nb.metadata.get("papermill", {}).pop("output_path", None)
-        atomic_write_text(case_dir / "notebook.ipynb", nbformat.writes(nb))
-        executing.unlink()
+        files[case_dir / "notebook.ipynb"] = nbformat.writes(nb)
     log = case_dir / _LOG
     if log.exists():
-        atomic_write_text(case_dir / "papermill.log", scrub(log.read_text(errors="replace")))
-        log.unlink()
+        files[case_dir / "papermill.log"] = scrub(log.read_text(errors="replace"))
+    atomic_write_files({path: data.encode("utf-8") if isinstance(data, str) else data
+                        for path, data in files.items()})
+    _replace_dir(new_results, case_dir / "results")
+    if png is None:  # never leave an earlier run's figure beside this run's report
+        (case_dir / "key-figure.png").unlink(missing_ok=True)
+    _remove_scratch(case_dir)
     where = f" (cell {outcome.failing_cell})" if outcome.failing_cell is not None and not outcome.ok else ""
     echo(f"[{index}/{total}] {spec.name}: {outcome.status}{where} in {outcome.seconds:.1f} s"
          + (f" — {verdict.kind}: {verdict.headline}" if verdict else "")
          + (f" — {outcome.error}" if not outcome.ok else ""))
     return result
+
+
+def _remove_scratch(case_dir: pathlib.Path) -> None:
+    """Remove what a running case writes in its folder (the notebook being executed, its log, ...)."""
+    for name in (_EXECUTING, _PROGRESS, _LOG):
+        (case_dir / name).unlink(missing_ok=True)
+    (case_dir / _EXECUTING).with_suffix(".params.yaml").unlink(missing_ok=True)
+    shutil.rmtree(case_dir / _NEW_RESULTS, ignore_errors=True)
+
+
+def _unpublished(spec: CaseSpec, out_dir: pathlib.Path, seconds: float, exc: OSError, *,
+                 index: int, total: int, echo: Callable[[str], None]) -> CaseOutcome:
+    """The outcome of a case whose files could not be written: failed, saying why and where."""
+    _remove_scratch(out_dir / spec.name)
+    where = f" ({exc.filename})" if exc.filename else ""
+    error = (f"its report could not be written to {out_dir / spec.name}: {exc.strerror or exc}{where} "
+             f"(any earlier report there is unchanged)")
+    echo(f"[{index}/{total}] {spec.name}: failed in {seconds:.1f} s — {error}")
+    return CaseOutcome(
+        name=spec.name, title=spec.title, reproduces=spec.reproduces, status="failed", seconds=seconds,
+        verdict=None, report=f"{spec.name}/report.html", summary=f"{spec.name}/summary.md",
+        notebook=f"{spec.name}/notebook.ipynb", error=error)
 
 
 def _merge_with_previous(out_dir: pathlib.Path, outcomes: list[CaseOutcome]) -> list[CaseOutcome]:
@@ -408,6 +469,23 @@ def run_batch(planned: list[tuple[CaseSpec, dict]], out_dir: str | os.PathLike, 
     return outcomes
 
 
+def check_output_dir(out_dir: str | os.PathLike) -> None:
+    """Raise ValueError unless ``out_dir`` exists or can be created, and takes a new file.
+
+    Checked before any notebook runs, so a read-only place fails in a
+    second with the reason, not after the batch ran. A disk that fills up
+    later still fails each case that cannot be written (:func:`_run_one`).
+    """
+    path = pathlib.Path(out_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".ddplab-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"cannot write to the output folder {out_dir}: {exc.strerror or exc}") from None
+
+
 def run_report(opts) -> int:
     """The ``ddplab report`` command (see :mod:`ddplab.cli` for the options)."""
     try:
@@ -416,12 +494,18 @@ def run_report(opts) -> int:
                              quick=opts.quick)
         if opts.timeout <= 0:
             raise ValueError(f"--timeout must be positive, got {opts.timeout}")
+        check_output_dir(opts.output)
     except ValueError as exc:
         print(f"ddplab report: {exc}", file=sys.stderr)
         return 2
     stop = StopRequest()
-    outcomes = run_batch(planned, opts.output, timeout=opts.timeout, no_input=opts.no_input, stop=stop,
-                         jobs=opts.jobs)
+    try:
+        outcomes = run_batch(planned, opts.output, timeout=opts.timeout, no_input=opts.no_input,
+                             stop=stop, jobs=opts.jobs)
+    except OSError as exc:  # the index could not be written; each case said how it ended
+        print(f"ddplab report: cannot write the index to {opts.output}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     if stop.requested:
         return 128 + stop.signum  # as a shell reports a command ended by that signal
     return 0 if all(o.status == "ok" for o in outcomes) else 1

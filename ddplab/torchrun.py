@@ -30,6 +30,7 @@ from typing import Callable
 
 from ddplab import records as _records
 from ddplab.artifacts import atomic_write_text, load_results, read_jsonl
+from ddplab.formatting import visible_controls
 
 __all__ = ["run_rank", "load_run", "resolve_target", "RunIncomplete"]
 
@@ -100,8 +101,10 @@ def run_rank(target: str, out_dir: str | os.PathLike, overrides: dict | None = N
             atomic_write_text(out_dir / f"rank-{ctx.rank}.error.json", json.dumps(
                 {"rank": ctx.rank, "time": time.time(), "type": type(exc).__name__,
                  "message": str(exc), "traceback": tb}, indent=2))
-            print(f"ddplab run: rank {ctx.rank} of {ctx.world_size} failed in {name}; "
-                  f"{len(emitted)} records kept in {rank_file}\n{tb}", file=sys.stderr, flush=True)
+            # The error file keeps the text as raised; the terminal gets it escaped.
+            print(visible_controls(f"ddplab run: rank {ctx.rank} of {ctx.world_size} failed in {name}; "
+                                   f"{len(emitted)} records kept in {rank_file}\n{tb}"),
+                  file=sys.stderr, flush=True)
             return 1
         finally:
             _records.set_sink(None)
@@ -148,8 +151,8 @@ def load_run(path: str | os.PathLike, *, allow_incomplete: bool = False):
                       if len(errors) > 1 else ""))
         else:
             why = "no rank reported a failure (killed, or still running?)"
-        raise RunIncomplete(
+        raise RunIncomplete(visible_controls(
             f"{path}: the run did not complete (no run.json); {why}; ranks with records: {ranks}. "
-            "Pass allow_incomplete=True to read what was recorded.")
+            "Pass allow_incomplete=True to read what was recorded."))
     recs = [rec for r in ranks for rec in read_jsonl(path / f"rank-{r}.jsonl")]
     return _records.to_frame(recs)

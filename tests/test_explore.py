@@ -65,6 +65,25 @@ def test_stop_button_ends_a_running_launch(no_leftovers):
     assert len(explorer.records) > 0  # what was streamed before the stop is kept
 
 
+#: A count of cases or reports in prose: "the four reproduced reports", "5 cases".
+COUNTED = re.compile(r"\b(one|two|three|four|five|six|seven|eight|nine|ten|\d+)\s+"
+                     r"(?:\w+\s+)?(cases|reports)\b", re.IGNORECASE)
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+def test_the_explorers_text_states_no_wrong_count_of_cases():
+    """The intro describes what the case menu offers: every registered case."""
+    import json
+
+    nb = json.loads((NOTEBOOKS / "00_explore.ipynb").read_text())
+    text = " ".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    offered = CaseExplorer().case_picker.options
+    assert list(offered) == case_names()
+    for number, _ in COUNTED.findall(text):
+        count = int(number) if number.isdigit() else WORDS.index(number.lower())
+        assert count == len(offered), f"the intro says {number!r}; the menu offers {len(offered)}"
+
+
 def test_bad_values_are_reported_without_running():
     explorer = CaseExplorer("backend_divergence")
     explorer.inputs["world_sizes"].value = "2, 0"
@@ -110,31 +129,107 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def jupyterlab(tmp_path):
-    root = tmp_path / "lab"
-    root.mkdir()
-    shutil.copy(NOTEBOOKS / "00_explore.ipynb", root / "00_explore.ipynb")
+def make_lab_args() -> list[str]:
+    """The arguments `make lab` gives JupyterLab (the Makefile's LAB_ARGS), less the notebook folder."""
+    import shlex
+
+    makefile = (NOTEBOOKS.parent / "Makefile").read_text()
+    match = re.search(r"^LAB_ARGS\s*:?=\s*(.*)$", makefile, re.MULTILINE)
+    assert match, "the Makefile defines no LAB_ARGS"
+    args = shlex.split(match.group(1).replace("$(CURDIR)", str(NOTEBOOKS.parent)))
+    return [a for a in args if not a.startswith("--notebook-dir")]
+
+
+def _start_lab(tmp_path, root, extra=()):
+    """JupyterLab on a free loopback port with `make lab`'s arguments; returns (process, url, token).
+
+    Its own config, runtime and user-settings folders, so this machine's settings play no part.
+    """
     port, token = _free_port(), "ddplab-test"
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt"), "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
          f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--allow-root",
-         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+         *make_lab_args(), *extra],
         env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
         try:
             urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-            break
+            return proc, url, token
         except OSError:
             if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
+                kill_tree(proc.pid)
                 pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
             time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def make_lab(tmp_path_factory):
+    """A JupyterLab as `make lab` starts it, on a copy of the explorer notebook; ``api(path, ...)``."""
+    import json
+
+    tmp_path = tmp_path_factory.mktemp("make_lab")
+    root = tmp_path / "lab"
+    root.mkdir()
+    shutil.copy(NOTEBOOKS / "00_explore.ipynb", root / "00_explore.ipynb")
+    proc, url, token = _start_lab(tmp_path, root)
+
+    def api(path: str, method: str = "GET", body: dict | None = None):
+        request = urllib.request.Request(f"{url}{path}?token={token}", method=method,
+                                         data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            text = response.read()
+        return json.loads(text) if text else None
+
+    yield api
+    kill_tree(proc.pid)  # the server and any kernel it started
+
+
+def test_make_labs_jupyterlab_fetches_no_news_and_asks_nothing(make_lab):
+    """The "notified about official Jupyter news?" pop-up shows when fetchNews is "none" (its
+    default); the lab `make lab` starts has it off, as the settings it serves say."""
+    settings = make_lab("/lab/api/settings/@jupyterlab/apputils-extension:notification")
+    # What the page computes: the schema's defaults (with the lab's overrides), then the user's.
+    defaults = {name: prop.get("default") for name, prop in settings["schema"]["properties"].items()}
+    composite = {**defaults, **settings["settings"]}
+    assert composite["fetchNews"] == "false"  # never fetched, never asked
+    assert composite["checkForUpdates"] is False
+    # Defaults, not locks: the user's own settings (none here) can still turn the news on.
+    assert settings["settings"] == {}
+
+
+def test_the_explorer_opens_on_ddplabs_kernel_in_make_lab(make_lab):
+    """JupyterLab starts the kernel a notebook names when it has it: "ddplab", which runs this
+    environment's Python (make setup registers it), not "Python 3 (ipykernel)"."""
+    import json
+
+    wanted = json.loads((NOTEBOOKS / "00_explore.ipynb").read_text())["metadata"]["kernelspec"]["name"]
+    specs = make_lab("/api/kernelspecs")["kernelspecs"]
+    if wanted not in specs:
+        pytest.skip(f"no {wanted!r} kernel registered here (make setup registers it)")
+    argv0 = specs[wanted]["spec"]["argv"][0]
+    # This environment's interpreter (a venv's python is a symlink: compare unresolved paths).
+    assert os.path.abspath(shutil.which(argv0) or argv0).startswith(os.path.abspath(sys.prefix) + os.sep), argv0
+    # What the page does on opening the notebook: a session on the kernel its metadata names.
+    session = make_lab("/api/sessions", "POST", {"path": "00_explore.ipynb", "type": "notebook",
+                                                 "name": "00_explore.ipynb", "kernel": {"name": wanted}})
+    try:
+        assert session["kernel"]["name"] == wanted
+    finally:
+        make_lab(f"/api/sessions/{session['id']}", "DELETE")
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    root = tmp_path / "lab"
+    root.mkdir()
+    shutil.copy(NOTEBOOKS / "00_explore.ipynb", root / "00_explore.ipynb")
+    # As `make lab` starts it (no news pop-up over the panel), plus the app handle the test drives.
+    proc, url, token = _start_lab(tmp_path, root, ["--LabApp.expose_app_in_browser=True"])
     yield url, token
     kill_tree(proc.pid)  # the server, its kernel and any ranks the kernel started
 
@@ -159,7 +254,7 @@ def test_explorer_end_to_end_in_jupyterlab(jupyterlab, tmp_path):
         page.wait_for_function("() => window.jupyterapp && window.jupyterapp.commands")
 
         def wait_for(js: str, seconds: float = 150) -> None:
-            # JupyterLab may ask which kernel to use (this venv registers two): accept its choice.
+            # JupyterLab asks which kernel to use if the notebook's "ddplab" is not registered: accept.
             deadline = time.monotonic() + seconds
             while not page.evaluate(js):
                 if page.locator(".jp-Dialog .jp-mod-accept").count():

@@ -1,15 +1,20 @@
-"""The launcher at its edges: exposure, leftovers, blame, odd values, bad input, odd mains."""
+"""The launcher at its edges: what ranks print and start, exposure, leftovers, blame, odd values, bad input, odd mains."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import inspect
 import ipaddress
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -19,8 +24,8 @@ import torch.distributed as dist
 
 import ddplab
 from ddplab import launcher
-from ddplab.launcher import (MAX_WORLD_SIZE_ENV, Launch, LaunchStopped, RankDied, RankFailed,
-                             launch)
+from ddplab.launcher import (MAX_WORLD_SIZE_ENV, Launch, LaunchStopped, LaunchTimeout, RankDied,
+                             RankFailed, launch)
 
 from processes import all_gone, start_reading_pids
 
@@ -78,6 +83,59 @@ def test_store_accepts_loopback_only(no_leftovers):
             runner.wait()
 
 
+# ---------------------------------------------------------------- what ranks print
+
+#: What a terminal would act on: NUL, clear-screen, a window title with BEL, CR, C1's CSI.
+CONTROLS = "NUL\x00 ESC\x1b[2J OSC\x1b]0;title\x07 CR\r CSI\x9b1m"
+#: A control character other than newline and tab.
+RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def print_and_fail_with_controls(how):
+    print("stdout " + CONTROLS, flush=True)
+    print("stderr " + CONTROLS, file=sys.stderr, flush=True)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        if how == "die":
+            os._exit(5)
+        raise RuntimeError("message " + CONTROLS)
+    dist.barrier()  # rank 0 fails too, as a consequence
+
+
+@pytest.mark.parametrize("how, error", [("raise", RankFailed), ("die", RankDied)])
+def test_control_characters_from_a_rank_are_shown_escaped_and_kept(no_leftovers, how, error):
+    with pytest.raises(error) as info:
+        launch(print_and_fail_with_controls, world_size=2, args=(how,), timeout=60)
+    err = info.value
+    text = str(err)
+    assert not RAW_CONTROL.findall(text), RAW_CONTROL.findall(text)
+    shown = "NUL\\x00 ESC\\x1b[2J OSC\\x1b]0;title\\x07 CR\\x0d CSI\\x9b1m"
+    assert f"stderr {shown}" in text  # the stderr tail
+    if how == "raise":
+        assert f"RuntimeError: message {shown}" in text  # the message and the remote traceback
+        assert f"message {CONTROLS}" in err.remote_traceback  # kept as raised
+    for rank in (0, 1):  # the captured output keeps every character
+        assert err.result.stdout[rank] == f"stdout {CONTROLS}\n"
+        assert f"stderr {CONTROLS}\n" in err.result.stderr[rank]
+
+
+def hang_after_printing_controls():
+    ddplab.emit("phase\x1b[2J", 1, note="label \x1b]0;title\x07")
+    print("Thread 0x " + CONTROLS, file=sys.stderr, flush=True)  # looks like a stack dump's start
+    time.sleep(60)
+
+
+def test_a_hang_diagnosis_shows_control_characters_escaped(no_leftovers):
+    with pytest.raises(LaunchTimeout) as info:
+        launch(hang_after_printing_controls, world_size=1, timeout=2)
+    err = info.value
+    text = str(err)
+    assert not RAW_CONTROL.findall(text), RAW_CONTROL.findall(text)
+    assert "ESC\\x1b[2J" in text and "phase\\x1b[2J" in text  # the stack tail, the last record
+    assert err.last_records[0]["metric"] == "phase\x1b[2J"  # the record as emitted
+    assert CONTROLS in err.stacks[0] and CONTROLS in err.result.stderr[0]
+
+
 # ---------------------------------------------------------------- what ranks start
 
 
@@ -101,6 +159,84 @@ def test_children_of_a_failed_rank_are_stopped(no_leftovers, how, error):
     frame = info.value.records
     assert len(_values(frame, "grandchild_pid")) == 2
     assert all_gone(_values(frame, "grandchild_pid") + _values(frame, "pid"))
+
+
+#: A daemon the classic way: fork, setsid, fork again; the first two exit, the last sleeps.
+DAEMON = """
+import os, sys, time
+if os.fork():
+    sys.exit(0)
+os.setsid()
+if os.fork():
+    os._exit(0)
+print(os.getpid(), flush=True)
+time.sleep(300)
+"""
+
+
+def start_daemons_then(how):
+    # Leaves the rank's process group and session; its parent is still the rank.
+    session = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    # Orphaned at once: its parents exit, so no process of the rank's is its parent.
+    starter = subprocess.Popen([sys.executable, "-c", DAEMON], stdout=subprocess.PIPE, text=True)
+    daemon = int(starter.stdout.readline())
+    starter.wait()
+    starter.stdout.close()
+    ddplab.emit("daemon_pid", session.pid)
+    ddplab.emit("daemon_pid", daemon)
+    ddplab.emit("pid", os.getpid())
+    if how == "raise":
+        raise RuntimeError("planted failure after starting daemons")
+    if how == "exit":
+        os._exit(3)  # no cleanup in the rank at all
+    if how == "hang":
+        time.sleep(60)
+    return "returned"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper is Linux-only")
+@pytest.mark.parametrize("how, error", [("return", None), ("raise", RankFailed), ("exit", RankDied),
+                                        ("hang", LaunchTimeout)])
+def test_daemons_a_rank_starts_are_stopped_too(no_leftovers, how, error):
+    if error is None:
+        frame = launch(start_daemons_then, world_size=1, args=(how,), timeout=60).records
+    else:
+        with pytest.raises(error) as info:
+            launch(start_daemons_then, world_size=1, args=(how,), timeout=3 if how == "hang" else 60)
+        frame = info.value.records
+    daemons = _values(frame, "daemon_pid")
+    assert len(daemons) == 2
+    assert all_gone(daemons + _values(frame, "pid"))
+
+
+def daemon_then_wait():
+    daemon = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    ddplab.emit("daemon_pid", daemon.pid)
+    ddplab.emit("pid", os.getpid())
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper is Linux-only")
+def test_stopping_leftovers_spares_the_ranks_and_daemons_of_a_running_launch(no_leftovers):
+    seen, ended = [], []
+    running = Launch(daemon_then_wait, world_size=2, timeout=60, on_record=seen.append).start()
+    waiter = threading.Thread(target=lambda: ended.append(pytest.raises(LaunchStopped, running.wait)))
+    waiter.start()  # as the explorer does: records arrive while wait() runs
+    try:
+        deadline = time.monotonic() + 30
+        while len([r for r in seen if r["metric"] == "daemon_pid"]) < 2:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+        theirs = [int(r["value"]) for r in seen if r["metric"] in ("daemon_pid", "pid")]
+        for how in ("return", "exit"):  # each teardown stops the leftovers below the forkserver
+            with contextlib.suppress(RankDied):
+                launch(start_daemons_then, world_size=1, args=(how,), timeout=60)
+        assert all(psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in theirs)
+    finally:
+        running.stop()
+        waiter.join(30)
+    assert ended, "the running launch did not end as stopped"
+    assert all_gone(theirs)
 
 
 SIGTERM_PROOF = """
@@ -242,7 +378,17 @@ def test_a_module_the_rank_cannot_import_is_explained(no_leftovers, tmp_path, mo
     (dict(timeout=1e300), "at most"),
     (dict(on_record=5), "on_record must be callable"),
 ])
-def test_bad_input_is_refused_before_any_process(no_leftovers, monkeypatch, kwargs, match):
+def test_bad_input_is_refused_before_any_process(nothing_starts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch(lambda: 1, **{"world_size": 2, **kwargs})
+
+
+@pytest.fixture
+def nothing_starts(no_leftovers, monkeypatch):
+    """Fail the test if the launch creates its store or a rank process, or any process appears.
+
+    Structural, not timed: a refused launch never gets that far.
+    """
     started = []
 
     def refuse(what):
@@ -251,14 +397,44 @@ def test_bad_input_is_refused_before_any_process(no_leftovers, monkeypatch, kwar
             raise AssertionError(f"{what} started before the bad input was refused")
         return spy
 
-    # Structural, not timed: the store and the rank processes are never created.
     monkeypatch.setattr(launcher._RankProcess, "start", refuse("a rank process"))
     monkeypatch.setattr(launcher, "_loopback_store", refuse("the rendezvous store"))
     before = psutil.Process().children(recursive=True)
-    with pytest.raises(ValueError, match=match):
-        launch(lambda: 1, **{"world_size": 2, **kwargs})
+    yield
     assert started == []
     assert psutil.Process().children(recursive=True) == before
+
+
+def takes_lr(lr, *, momentum=0.9):
+    return lr * momentum
+
+
+@pytest.mark.parametrize("fn, args, kwargs, match", [
+    (takes_lr, (0.1,), {"momentun": 0.5}, "unexpected keyword argument 'momentun'"),
+    (takes_lr, (), {"lrr": 0.1}, "missing a required argument: 'lr'"),
+    (takes_lr, (0.1, 0.5), {}, "too many positional arguments"),
+    (takes_lr, (0.1,), {"lr": 0.2}, "multiple values for argument 'lr'"),
+    (lambda: 1, (), {"x": 1}, "<lambda>.. cannot be called .*unexpected keyword argument 'x'"),
+    (functools.partial(takes_lr, 0.1), (), {"lr": 0.3}, "partial.*takes_lr.*argument 'lr'"),
+])
+def test_arguments_the_function_does_not_take_are_refused_before_any_process(
+        nothing_starts, fn, args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch(fn, world_size=2, args=args, kwargs=kwargs)
+
+
+class Scaled:
+    def __call__(self, x, **extra):
+        return x * (dist.get_rank() + 1) + len(extra)
+
+
+def test_what_the_signature_accepts_launches(no_leftovers):
+    assert launch(takes_lr, world_size=1, args=(2.0,), kwargs={"momentum": 0.5}).returns == [1.0]
+    assert launch(Scaled(), world_size=2, args=(3,), kwargs={"anything": 1}).returns == [4, 7]
+    # A builtin whose signature cannot be read is not checked here; it runs in the ranks.
+    with pytest.raises(ValueError):
+        inspect.signature(max)
+    assert launch(max, world_size=1, args=(3, 4)).returns == [4]
 
 
 def test_world_size_limit_can_be_raised_or_lowered(no_leftovers, monkeypatch):
@@ -295,6 +471,29 @@ PROGRAM = textwrap.dedent("""
         return t.item()
     print("RESULT", launch(total, world_size=2, args=(3,), timeout=120).returns)
 """)
+
+
+BAD_KEYWORD_PROGRAM = textwrap.dedent("""
+    import psutil
+    from ddplab import launch
+    def train(lr, steps=3):
+        return lr * steps
+    try:
+        launch(train, world_size=2, args=(0.1,), kwargs={"step": 5})
+    except ValueError as exc:
+        print("REFUSED", exc)
+    print("CHILDREN", len(psutil.Process().children(recursive=True)))
+""")
+
+
+def test_a_bad_keyword_from_python_dash_c_is_refused_before_any_process(tmp_path):
+    # A function of `python -c` has no source file; its signature is read all the same.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([PY, "-c", BAD_KEYWORD_PROGRAM], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)
+    assert "REFUSED train(lr, steps=3) cannot be called" in proc.stdout, proc.stderr[-3000:]
+    assert "unexpected keyword argument 'step'" in proc.stdout
+    assert "CHILDREN 0" in proc.stdout  # not even the forkserver was started
 
 
 @pytest.mark.slow  # three fresh interpreters import torch side by side: about 30 s on 2 cores

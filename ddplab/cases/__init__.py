@@ -14,10 +14,25 @@ case that lives outside ddplab works everywhere a built-in one does::
 from __future__ import annotations
 
 import importlib
+import re
 
 from ddplab.cases.base import Case, LaunchPlan
 
-__all__ = ["BUILTIN", "Case", "LaunchPlan", "get_case", "case_names", "builtin_cases"]
+__all__ = ["BUILTIN", "Case", "LaunchPlan", "get_case", "case_names", "builtin_cases", "check_case_name"]
+
+#: What a case name may be: it names the case's folder in reports/ and its URL
+#: in the index, so one path component that is neither hidden nor ".."
+_CASE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+#: ``package.module`` or ``package.module:ATTRIBUTE``, Python identifiers only.
+_MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
+
+
+def check_case_name(name) -> str:
+    """``name`` if it can name a case's report folder, else ValueError (no ``/``, ``..``, hidden name)."""
+    if not isinstance(name, str) or not _CASE_NAME.fullmatch(name):
+        raise ValueError(f"case name {name!r} cannot name a report folder: use letters, digits, "
+                         f"'_', '-' and '.', not starting with '.' (no '/' or '..')")
+    return name
 
 #: Built-in case name -> module. Order is the report order.
 BUILTIN = {
@@ -55,6 +70,9 @@ def get_case(name: "str | Case") -> Case:
     if name in BUILTIN:
         module_name, attribute = BUILTIN[name], "CASE"
     elif "." in name or ":" in name:
+        if not _MODULE_PATH.fullmatch(name):
+            raise ValueError(f"case {name!r} is neither a built-in case ({', '.join(BUILTIN)}) nor a "
+                             "module path such as mypackage.mycase[:ATTRIBUTE]")
         module_name, _, attribute = name.partition(":")
         attribute = attribute or "CASE"
     else:
@@ -72,5 +90,9 @@ def get_case(name: "str | Case") -> Case:
                          f"(an instance of ddplab.cases.Case), found {type(case).__name__}")
     if not case.name:
         raise ValueError(f"case {name!r}: its Case sets no name")
+    try:
+        check_case_name(case.name)
+    except ValueError as exc:
+        raise ValueError(f"case {name!r}: {exc}") from None
     _loaded[name] = case
     return case

@@ -39,7 +39,7 @@ def test_crash_and_hang_are_reported_and_the_others_still_publish(no_leftovers):
     assert hung.kind == "hung"
     assert isinstance(result.errors["hang_on_rank_1_at_step_1 W=2"], launcher.LaunchTimeout)
     assert "did not return" in hung.error
-    assert result.verdict("ddp W=2").kind == "rounding"
+    assert result.verdict("ddp W=2").kind == "exact"
     frame = result.records
     dev = frame[(frame["metric"] == "deviation") & (frame["config"] == "crash_on_rank_1_at_step_1 W=2")]
     assert set(dev["step"]) == {0}

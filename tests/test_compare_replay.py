@@ -68,7 +68,7 @@ def test_a_forward_fault_names_its_module(warm_launcher):
 def test_a_summed_loss_is_semantic_with_factor_one_over_w(warm_launcher):
     setup = examples.digits_setup(0, steps=2, reduction="sum")
     _, v = _verdict(setup, compare.DDP(2))
-    assert (v.kind, v.referee, v.finding) == ("bug", "semantic", "semantic")
+    assert (v.kind, v.referee, v.finding) == ("bug", "semantic", "factor")
     sem = v.finding_values("semantic")
     assert sem["kind"] == "factor" and sem["factor"] == pytest.approx(0.5, rel=1e-6)
     assert v.finding_values("replay")["complete"]  # DDP did exactly what it promises

@@ -368,6 +368,8 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     # and only where none of them decides, the tolerance.
     if replicas is not None and replicas.holds is False:
         classification, finding, referee = "bug", "desync", "replicas"
+        if local is not None and local.key == "desync":
+            findings.append(local)  # the band's view of it: each rank's distance, the piece weights
         rv = replicas.values
         values.update({f"desync_{key}": rv[key] for key in ("step", "rank", "param", "quantity")})
         first = rv["step"]
@@ -387,8 +389,10 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
         first = rv["step"]
         values.update(first_divergence=first, first_rank=rv["rank"], first_param=rv["param"])
     elif semantic is not None and semantic.holds is False:
-        classification, finding, referee = "bug", "semantic", "semantic"
+        classification, referee = "bug", "semantic"
         sv = semantic.values
+        # The kind the piece fit names: a factor, a missing contribution, or another computation.
+        finding = sv["kind"] if sv["kind"] in ("factor", "missing_contribution") else "semantic"
         values.update(semantic_step=sv["step"], semantic_kind=sv["kind"], semantic_factor=sv["factor"],
                       semantic_missing=sv["missing"], semantic_text=_semantic_text(sv, world, k))
         first = sv["step"]
@@ -420,7 +424,7 @@ def _summary(classification: str, degenerate: bool, diverged: bool, referee: str
     if referee == "replicas":
         return ("bug: the ranks disagree after a synchronized step: at step {desync_step} rank {desync_rank} "
                 "holds a {desync_quantity} of {desync_param} bitwise other than rank 0's{replay_text}")
-    if referee == "replay":
+    if referee == "replay" and classification == "bug":
         return ("bug: at step {replay_step}, rank {replay_rank}'s {phase_text} of {replay_param} differs from "
                 "the specification replay in {replay_differing} element(s), up to {replay_max_ulp} ulp "
                 "({replay_max_relative} relative){module_text}")

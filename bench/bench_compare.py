@@ -137,7 +137,10 @@ def sensitivity(seeds: int, steps: int) -> None:
     cases = [(kind, m, False) for kind in faults.KINDS for m in faults.MAGNITUDES
              if not (kind in ("skipped_micro_batch", "duplicated_micro_batch", "low_precision_bucket")
                      and m != faults.MAGNITUDES[0])]
-    cases += [(kind, m, True) for kind in faults.FSDP_KINDS for m in faults.MAGNITUDES]
+    # A bfloat16 output scaled by less than its unit roundoff (2^-8) rounds back to the same bits:
+    # no fault is planted, so only 1e-2 and one ulp are swept there.
+    cases += [(kind, m, True) for kind in faults.FSDP_KINDS for m in faults.MAGNITUDES
+              if kind != "forward_output" or m in (1e-2, "ulp")]
     for kind, magnitude, fsdp in cases:
         detected = placed = 0
         for seed in range(seeds):

@@ -276,7 +276,10 @@ def gloo_equivalent(hook: Callable | None) -> tuple[Callable | None, str | None]
         >>> gloo_equivalent(audit_hook) == (audit_hook, None)
         True
     """
-    return _GLOO_EQUIVALENTS.get(hook, (hook, None))
+    try:
+        return _GLOO_EQUIVALENTS.get(hook, (hook, None))
+    except TypeError:       # an unhashable callable object: none of torch's functions
+        return hook, None
 
 
 # --------------------------------------------------------------------------- shared state

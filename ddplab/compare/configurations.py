@@ -100,6 +100,10 @@ class DDP(Configuration):
     zero-argument callable run on each rank once the process group exists
     (a state such as :class:`ddplab.comm_hooks.AuditState` needs it).
     ``k > 1`` accumulates k micro-batches (see :class:`Accumulate`).
+    On gloo torch's ``fp16_compress_hook``, ``bf16_compress_hook`` (which
+    refuses gloo) and ``allreduce_hook`` run as ddplab's hooks of the same
+    math (:func:`ddplab.comm_hooks.gloo_equivalent`); :meth:`describe`'s
+    ``hook_note`` says so.
     """
 
     bucket_cap_mb: float | None = None
@@ -116,6 +120,13 @@ class DDP(Configuration):
         if self.comm_hook is not None:
             name += f" hook={getattr(self.comm_hook, '__name__', 'hook')}"
         return name
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if self.comm_hook is not None:
+            from ddplab.comm_hooks import gloo_equivalent  # compare's ranks are gloo
+            out["hook_note"] = gloo_equivalent(self.comm_hook)[1]
+        return out
 
     def validate(self) -> None:
         super().validate()

@@ -267,7 +267,9 @@ def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     buckets = None
     if config.comm_hook is not None:
         state = config.hook_state() if config.hook_state is not None else None
-        model.register_comm_hook(state, config.comm_hook)
+        from ddplab.comm_hooks import gloo_equivalent  # torch's default hooks -> ddplab's, same math
+        hook = gloo_equivalent(config.comm_hook)[0] if dist.get_backend() == "gloo" else config.comm_hook
+        model.register_comm_hook(state, hook)
     else:
         buckets = BucketCapture(named_trainable(raw))
         model.register_comm_hook(buckets, _capture_hook)

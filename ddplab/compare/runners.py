@@ -263,6 +263,9 @@ def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     kwargs = dict(config.options)
     if config.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = config.bucket_cap_mb
+    if config.sync_batchnorm:  # in place: the same parameters, the same names
+        from ddplab.sync_batchnorm import convert_sync_batchnorm
+        raw = convert_sync_batchnorm(raw)
     model = DistributedDataParallel(raw, **kwargs)
     buckets = None
     if config.comm_hook is not None:

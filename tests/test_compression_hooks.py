@@ -176,3 +176,31 @@ def test_emulations_round_where_the_hooks_do():
     # A half-precision bucket compressed to float16: the cast is the identity, the rest is the same.
     h = x[:, :2].to(torch.float16)
     assert emulate_compressed_allreduce(h, torch.float16).dtype == torch.float16
+
+
+# --------------------------------------------------------------------------- the README's example
+
+
+def readme_examples() -> tuple[str, list[str]]:
+    from readme import python_blocks, readme_section
+
+    section = readme_section("Compression hooks and SyncBatchNorm on CPU")
+    return section, python_blocks(section)
+
+
+def run_verbatim(source: str) -> list[str]:
+    """Execute ``source`` as a notebook cell would (its functions pickled by value); its printed lines."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(source, "README.md", "exec"), {"__name__": "readme_example"})
+    return out.getvalue().split("\n")[:-1]
+
+
+def test_the_readme_compression_example_replays_the_live_hook_verbatim(warm_launcher):
+    section, blocks = readme_examples()
+    assert len(blocks) == 2
+    printed = run_verbatim(blocks[0])
+    assert printed == ["True 10000"] and "prints `True 10000`" in section

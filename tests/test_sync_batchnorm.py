@@ -210,3 +210,15 @@ def test_drop_in_for_torchs_syncbatchnorm_and_the_converter():
     copy.deepcopy(new)      # picklable as a module (no process group held)
     with pytest.raises(ValueError, match="at least 2D"):
         new(torch.randn(3))
+
+
+def test_the_readme_syncbatchnorm_example_is_within_rounding_verbatim(warm_launcher):
+    import re
+
+    from test_compression_hooks import readme_examples, run_verbatim
+
+    section, blocks = readme_examples()
+    printed = [float(v) for v in run_verbatim(blocks[1])]
+    shown = [float(v) for v in re.search(r"prints `([\d.]+)` and `([\d.]+)`", section).groups()]
+    assert len(printed) == 2 and all(v <= BOUND_ULPS for v in printed + shown)
+    assert printed == pytest.approx(shown, abs=1.0)     # the README's figures, up to another kernel's rounding

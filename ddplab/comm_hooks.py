@@ -18,6 +18,14 @@ returns a future of the averaged bucket. Three hooks, one question each:
   An int64 fixed-point reduction whose result is bitwise the same for any
   backend, reduction order and placement of ranks.
 
+Stand-ins for torch's ``default_hooks``, the same math, runnable on gloo/CPU:
+:func:`fp16_compress_hook`, :func:`bf16_compress_hook` (torch's refuses any
+backend but NCCL by its name) and :func:`allreduce_hook`.
+:func:`gloo_equivalent` maps torch's hooks to them; :data:`REPLAY_EMULATIONS`
+gives, per ddplab hook whose live gloo result ddplab reproduces bit for bit,
+the function of every rank's bucket that computes it
+(:mod:`ddplab.numerics.compression`).
+
 :func:`ddp_default_hook` is what DDP does without a hook, bit for bit: the
 C++ reducer *multiplies* each gradient by ``1/W`` (``mul_out`` with the
 reciprocal as a scalar, rounded once to the dtype) before an allreduce SUM.
@@ -44,6 +52,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as _torch_
 from ddplab import records as _records
 from ddplab.numerics import accuracy as _accuracy
 from ddplab.numerics import bounds as _bounds
+from ddplab.numerics import compression as _compression
 from ddplab.numerics import fixed_point as _fixed_point
 from ddplab.numerics import orders as _orders
 from ddplab.numerics.fpformat import parse_dtype
@@ -51,6 +60,12 @@ from ddplab.probes import all_gather_flat
 
 __all__ = [
     "ddp_default_hook",
+    "allreduce_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "COMPRESSION_DTYPE",
+    "REPLAY_EMULATIONS",
+    "gloo_equivalent",
     "AuditState",
     "AuditAlarm",
     "audit_hook",
@@ -134,6 +149,139 @@ def ddp_default_hook(process_group: dist.ProcessGroup | None,
     return _ddp_mean_fut(process_group, bucket.buffer())
 
 
+# --------------------------------------------------------------------------- torch's default hooks, on gloo
+
+
+def _compress_fut(dtype: torch.dtype, process_group: dist.ProcessGroup | None,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``_compress_hook``: cast the bucket to ``dtype``, divide by W there, SUM, copy back."""
+    group = _group(process_group)
+    buffer = bucket.buffer()
+    # Cast first, then divide in the low precision (torch: buffer.to(dtype).div_(world_size)):
+    # two roundings to dtype, in that order, before the SUM rounds in dtype too.
+    compressed = buffer.to(dtype).div_(group.size())
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        # Into the bucket itself, as torch does (no second full-size buffer; pytorch#45968).
+        return buffer.copy_(fut.value()[0])
+
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
+def allreduce_hook(process_group: dist.ProcessGroup | None,
+                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``allreduce_hook``: divide the bucket by W, then allreduce SUM.
+
+    ``mean = sum_r fl(x_r / W)``, summed in the backend's order. Not bitwise
+    DDP without a hook for W not a power of two (see :func:`ddp_default_hook`).
+
+    Example::
+        >>> ddp_model.register_comm_hook(None, allreduce_hook)
+    """
+    group = _group(process_group)
+    buffer = bucket.buffer()
+    buffer.div_(group.size())
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def fp16_compress_hook(process_group: dist.ProcessGroup | None,
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``fp16_compress_hook``: ``c_r = fl16(fl16(x_r) / W)``, SUM in float16, back into the bucket.
+
+    The same operations in the same order as torch's hook, so live results
+    are bitwise equal; ddplab knows this function, so
+    :data:`REPLAY_EMULATIONS` can reproduce what it leaves
+    (:func:`ddplab.numerics.emulate_compressed_allreduce`).
+
+    Example::
+        >>> ddp_model.register_comm_hook(None, fp16_compress_hook)
+    """
+    return _compress_fut(torch.float16, process_group, bucket)
+
+
+def bf16_compress_hook(process_group: dist.ProcessGroup | None,
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``bf16_compress_hook``, runnable on gloo: ``c_r = flbf16(flbf16(x_r) / W)``, SUM in bfloat16.
+
+    torch's own hook is refused by DDP without CUDA and NCCL 2.10+ ("BF16 all
+    reduce communication hook required CUDA 11+ and NCCL 2.10+"); gloo
+    reduces bfloat16 on the CPU, so this one runs there.
+
+    Example::
+        >>> ddp_model.register_comm_hook(None, bf16_compress_hook)   # gloo, CPU
+    """
+    return _compress_fut(torch.bfloat16, process_group, bucket)
+
+
+# DDP's register_comm_hook refuses a hook by its *name* ("bf16_compress_hook") unless CUDA
+# and NCCL 2.10+ are present; the refusal guards NCCL's bfloat16 support, which gloo does
+# not need. So this function goes by another name.
+bf16_compress_hook.__name__ = "gloo_bf16_compress_hook"   # __qualname__ kept: pickle finds it by that
+
+#: The dtype each compression hook reduces in (torch's and ddplab's).
+COMPRESSION_DTYPE: dict[Callable, torch.dtype] = {
+    fp16_compress_hook: torch.float16, _torch_hooks.fp16_compress_hook: torch.float16,
+    bf16_compress_hook: torch.bfloat16, _torch_hooks.bf16_compress_hook: torch.bfloat16,
+}
+
+
+def _allreduce_divide_first(contributions: torch.Tensor) -> torch.Tensor:
+    return _orders.reduce(contributions, "gloo_ring", op="avg", averaging="divide_first")
+
+
+def _fp16_compressed(contributions: torch.Tensor) -> torch.Tensor:
+    return _compression.emulate_compressed_allreduce(contributions, torch.float16)
+
+
+def _bf16_compressed(contributions: torch.Tensor) -> torch.Tensor:
+    return _compression.emulate_compressed_allreduce(contributions, torch.bfloat16)
+
+
+#: ddplab hook -> ``f(contributions [W, N]) -> [N]``: the bucket the hook leaves on gloo, bit for
+#: bit, from every rank's bucket before the hook (checked against live gloo in the tests).
+REPLAY_EMULATIONS: dict[Callable, Callable[[torch.Tensor], torch.Tensor]] = {
+    ddp_default_hook: _compression.emulate_ddp_allreduce,
+    allreduce_hook: _allreduce_divide_first,
+    fp16_compress_hook: _fp16_compressed,
+    bf16_compress_hook: _bf16_compressed,
+}
+
+_GLOO_EQUIVALENTS = {
+    _torch_hooks.fp16_compress_hook: (
+        fp16_compress_hook,
+        "torch's fp16_compress_hook ran as ddplab.comm_hooks.fp16_compress_hook, the same math "
+        "(cast to float16, divide by W, SUM in float16, cast back), which ddplab replays bit for bit"),
+    _torch_hooks.bf16_compress_hook: (
+        bf16_compress_hook,
+        "torch's bf16_compress_hook refuses gloo; ddplab.comm_hooks.bf16_compress_hook, the same math "
+        "(cast to bfloat16, divide by W, SUM in bfloat16, cast back), ran instead"),
+    _torch_hooks.allreduce_hook: (
+        allreduce_hook,
+        "torch's allreduce_hook ran as ddplab.comm_hooks.allreduce_hook, the same math "
+        "(divide by W, then SUM), which ddplab replays bit for bit"),
+}
+
+
+def gloo_equivalent(hook: Callable | None) -> tuple[Callable | None, str | None]:
+    """The hook to register on gloo in place of ``hook``, and a note saying so (None: ``hook`` itself).
+
+    torch's ``fp16_compress_hook``, ``bf16_compress_hook`` and
+    ``allreduce_hook`` map to ddplab's hooks of the same math (bf16's because
+    torch's refuses gloo, all three so that :data:`REPLAY_EMULATIONS` knows
+    what ran); any other hook maps to itself.
+
+    Example::
+        >>> gloo_equivalent(default_hooks.bf16_compress_hook)[0] is bf16_compress_hook
+        True
+        >>> gloo_equivalent(audit_hook) == (audit_hook, None)
+        True
+    """
+    try:
+        return _GLOO_EQUIVALENTS.get(hook, (hook, None))
+    except TypeError:       # an unhashable callable object: none of torch's functions
+        return hook, None
+
+
 # --------------------------------------------------------------------------- shared state
 
 
@@ -184,12 +332,10 @@ def _inner_reduction(inner: Hook | None, inner_state: Any) -> dict:
     """
     if inner is None or inner is ddp_default_hook:
         return dict(averaging=DDP_AVERAGING, emulated=None)
-    if inner is _torch_hooks.allreduce_hook:
+    if inner in (_torch_hooks.allreduce_hook, allreduce_hook):
         return dict(averaging="divide_first", emulated=None)
-    if inner is _torch_hooks.fp16_compress_hook:   # cast, divide by W, SUM in float16, cast back
-        return dict(averaging="divide_first", reduce_dtype=torch.float16, emulated=None)
-    if inner is _torch_hooks.bf16_compress_hook:
-        return dict(averaging="divide_first", reduce_dtype=torch.bfloat16, emulated=None)
+    if inner in COMPRESSION_DTYPE:   # cast, divide by W, SUM in float16/bfloat16, cast back
+        return dict(averaging="divide_first", reduce_dtype=COMPRESSION_DTYPE[inner], emulated=None)
     if inner is order_hook and isinstance(inner_state, OrderState):
         return dict(order=inner_state.order, averaging=inner_state.averaging,
                     accumulate=inner_state.accumulate, reduce_dtype=inner_state.reduce_dtype,

@@ -15,3 +15,8 @@ def readme_section(title: str) -> str:
 def python_block(text: str) -> str:
     """The first ```python block of ``text``."""
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def python_blocks(text: str) -> list[str]:
+    """Every ```python block of ``text``, in order."""
+    return re.findall(r"```python\n(.*?)```", text, re.S)

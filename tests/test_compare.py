@@ -37,7 +37,7 @@ def correct_run(warm_launcher):
 @pytest.fixture(scope="module")
 def planted_run(warm_launcher):
     """Every planted bug that shares the correct setup, compared in one run (fewer launches)."""
-    names = [n for n in examples.PLANTED if n != "summed_loss"]
+    names = [n for n in examples.PLANTED if n not in examples.SETUP_BUGS]
     found = [examples.planted_example(n, steps=2) for n in names]
     configs = [c for ex in found for c in ex.configurations]
     expected = {label: e for ex in found for label, e in ex.expected.items()}

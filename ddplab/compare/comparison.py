@@ -168,7 +168,9 @@ def _compression(config: Configuration) -> str | None:
     from ddplab import comm_hooks
 
     hook = getattr(config, "comm_hook", None)
-    dtype = getattr(comm_hooks, "COMPRESSION_DTYPE", {}).get(hook) if hook is not None else None
+    if hook is None:
+        return None
+    dtype = comm_hooks.COMPRESSION_DTYPE.get(comm_hooks.gloo_equivalent(hook)[0])
     return str(dtype).replace("torch.", "") if dtype is not None else None
 
 

@@ -100,12 +100,20 @@ class DDP(Configuration):
     zero-argument callable run on each rank once the process group exists
     (a state such as :class:`ddplab.comm_hooks.AuditState` needs it).
     ``k > 1`` accumulates k micro-batches (see :class:`Accumulate`).
+    On gloo torch's ``fp16_compress_hook``, ``bf16_compress_hook`` (which
+    refuses gloo) and ``allreduce_hook`` run as ddplab's hooks of the same
+    math (:func:`ddplab.comm_hooks.gloo_equivalent`); :meth:`describe`'s
+    ``hook_note`` says so. ``sync_batchnorm=True`` converts the model's
+    BatchNorm layers (and torch's SyncBatchNorm, which DDP refuses on CPU) to
+    :class:`ddplab.sync_batchnorm.SyncBatchNorm` before wrapping, as
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` would on GPUs.
     """
 
     bucket_cap_mb: float | None = None
     comm_hook: Callable | None = None
     hook_state: Callable[[], Any] | None = None
     options: dict = dataclasses.field(default_factory=dict)
+    sync_batchnorm: bool = False
 
     kind = "ddp"
 
@@ -115,7 +123,18 @@ class DDP(Configuration):
             name += f" bucket={self.bucket_cap_mb:g}MB"
         if self.comm_hook is not None:
             name += f" hook={getattr(self.comm_hook, '__name__', 'hook')}"
+        if self.sync_batchnorm:
+            name += " sync_batchnorm"
         return name
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if self.comm_hook is not None:
+            from ddplab.comm_hooks import gloo_equivalent  # compare's ranks are gloo
+            out["hook_note"] = gloo_equivalent(self.comm_hook)[1]
+        if self.sync_batchnorm:
+            out["sync_batchnorm"] = True
+        return out
 
     def validate(self) -> None:
         super().validate()
@@ -129,6 +148,8 @@ class DDP(Configuration):
         if self.hook_state is not None and not callable(self.hook_state):
             raise ValueError("hook_state must be a zero-argument callable returning the hook's state "
                              "(it runs on each rank once the process group exists)")
+        if not isinstance(self.sync_batchnorm, bool):
+            raise ValueError(f"sync_batchnorm must be True or False, got {self.sync_batchnorm!r}")
         if not isinstance(self.options, dict):
             raise ValueError(f"options must be a dict of DDP keyword arguments, got {type(self.options).__name__}")
         reserved = {"module", "bucket_cap_mb", "process_group"} & set(self.options)

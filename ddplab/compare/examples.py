@@ -19,6 +19,14 @@ with the kind of finding the comparison must name:
   zeros: rank 0's contribution is missing on every rank.
 * ``no_allreduce`` -- a hand-written loop with the bare model and no
   gradient synchronization: each rank steps on its own share (desync).
+* ``per_rank_batchnorm`` -- a network with BatchNorm under DDP: each rank
+  normalizes with the statistics of its own share, one process with those
+  of the whole batch.
+
+Precisions and layers users choose, correct (:func:`sync_batchnorm`: the
+same BatchNorm network with its layers converted to ddplab's SyncBatchNorm;
+:func:`compression`: DDP with torch's fp16/bf16 compression hooks, run on
+gloo as ddplab's stand-ins).
 
 Every function here is defined at module level, so setups pickle by
 reference and every rank rebuilds the same thing.
@@ -38,12 +46,17 @@ from ddplab.compare.configurations import (DDP, FSDP2, Accumulate, Configuration
                                            StepContext)
 from ddplab.compare.setup import Setup
 
-__all__ = ["MODELS", "OPTIMIZERS", "Example", "Expected", "digits_setup", "correct", "planted", "planted_example",
-           "PLANTED", "summed_loss_setup", "planted_configurations", "accumulate_correctly", "accumulate_without_division", "zero_grad_in_loop",
-           "average_by_hand_skipping_own", "no_allreduce"]
+__all__ = ["MODELS", "BATCHNORM_MODELS", "OPTIMIZERS", "Example", "Expected", "digits_setup", "correct", "planted",
+           "planted_example", "PLANTED", "SETUP_BUGS", "summed_loss_setup", "batchnorm_setup",
+           "planted_configurations", "sync_batchnorm", "compression", "compression_configurations",
+           "sync_batchnorm_configurations", "accumulate_correctly", "accumulate_without_division",
+           "zero_grad_in_loop", "average_by_hand_skipping_own", "no_allreduce"]
 
-#: Networks :func:`digits_setup` builds.
+#: Networks :func:`digits_setup` builds whose every built-in configuration is correct.
 MODELS = ("mlp", "deep", "cnn")
+#: Networks with BatchNorm (``bn``: the MLP with a BatchNorm1d after its first layer): correct under
+#: DDP only with SyncBatchNorm, since per-rank BatchNorm normalizes each share by its own statistics.
+BATCHNORM_MODELS = ("bn",)
 
 
 # --------------------------------------------------------------------------- the correct setup
@@ -56,11 +69,13 @@ def _build(model: str, seed: int) -> nn.Module:
     if model == "deep":
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(),
                              nn.Linear(32, 10))
+    if model == "bn":
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
     if model == "cnn":
         return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(),
                              nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
-    raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    raise ValueError(f"model must be one of {', '.join(MODELS + BATCHNORM_MODELS)}, got {model!r}")
 
 
 def _batches(seed: int, steps: int, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,13 +104,13 @@ def _optimizer(params, kind: str, lr: float, momentum: float):
 def digits_setup(seed: int = 0, *, model: str = "mlp", steps: int = 6, batch_size: int = 48,
                  optimizer: str = "sgd", lr: float | None = None, momentum: float = 0.9,
                  reduction: str = "mean") -> Setup:
-    """The digits classifier: ``model`` ("mlp", "deep" or "cnn") seeded with ``seed``,
+    """The digits classifier: ``model`` ("mlp", "deep", "cnn" or "bn") seeded with ``seed``,
     ``steps`` global batches of ``batch_size`` images in an order drawn from
     ``seed``, cross-entropy (``reduction`` "mean" or, as a planted bug, "sum"),
     ``optimizer`` "sgd" (with ``momentum``; ``lr`` 0.1 by default) or "adam"
     (``lr`` 0.01 by default)."""
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    if model not in MODELS + BATCHNORM_MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS + BATCHNORM_MODELS)}, got {model!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     if lr is None:
@@ -275,6 +290,16 @@ def _no_allreduce(seed, world_size, k, steps, model):
         story="The bare model with no gradient synchronization: each rank trains on its share alone.")
 
 
+def _per_rank_batchnorm(seed, world_size, k, steps, model):
+    config = DDP(world_size)
+    return Example(
+        name="per_rank_batchnorm", setup=digits_setup(seed, model="bn", steps=steps),
+        configurations=[config],
+        expected={config.label: Expected("bug", "semantic")},
+        story="BatchNorm under DDP normalizes each rank's share by that share's mean and variance; "
+              "one process normalizes the whole batch by its own (the fix: SyncBatchNorm).")
+
+
 #: Planted-bug example name -> builder.
 PLANTED = {
     "summed_loss": _summed_loss,
@@ -282,7 +307,11 @@ PLANTED = {
     "zero_grad_in_loop": _zero_grad,
     "skip_own_gradient": _skip_own,
     "no_allreduce": _no_allreduce,
+    "per_rank_batchnorm": _per_rank_batchnorm,
 }
+#: Planted examples whose bug lives in the setup (its loss, its model), not in a training step:
+#: their configurations do not fit the correct setup.
+SETUP_BUGS = ("summed_loss", "per_rank_batchnorm")
 
 
 def planted_example(name: str, seed: int = 0, *, world_size: int = 2, k: int = 4, steps: int = 4,
@@ -298,11 +327,50 @@ def summed_loss_setup() -> Setup:
     return digits_setup(reduction="sum")
 
 
+def batchnorm_setup() -> Setup:
+    """The digits setup with BatchNorm (for ``-p setup ddplab.compare.examples:batchnorm_setup``):
+    configuration ``ddp`` is per-rank BatchNorm (a bug), ``ddp_sync_batchnorm`` its fix."""
+    return digits_setup(model="bn")
+
+
 def planted_configurations(world_size: int = 2, k: int = 4) -> list[Configuration]:
     """Every planted training-step bug as a configuration of the correct digits setup
     (for ``-p configurations "[ddp, ddplab.compare.examples:planted_configurations]"``)."""
-    return [c for name in PLANTED if name != "summed_loss"
+    return [c for name in PLANTED if name not in SETUP_BUGS
             for c in planted_example(name, world_size=world_size, k=k).configurations]
+
+
+def sync_batchnorm_configurations(world_size: int = 2) -> list[Configuration]:
+    """DDP with the model's BatchNorm layers converted to ddplab's SyncBatchNorm."""
+    return [DDP(world_size, sync_batchnorm=True)]
+
+
+def sync_batchnorm(seed: int = 0, *, world_size: int = 2, steps: int = 4) -> Example:
+    """The ``per_rank_batchnorm`` network with its BatchNorm converted to SyncBatchNorm under DDP:
+    every rank normalizes by the whole batch's statistics, as one process does -- rounding."""
+    configs = sync_batchnorm_configurations(world_size)
+    return Example(name="sync_batchnorm", setup=digits_setup(seed, model="bn", steps=steps),
+                   configurations=configs, expected={c.label: Expected("rounding") for c in configs},
+                   story="SyncBatchNorm reduces the statistics over the ranks in forward and their "
+                         "gradients in backward: the per-rank BatchNorm bug, fixed.")
+
+
+def compression_configurations(world_size: int = 2) -> list[Configuration]:
+    """DDP with torch's ``fp16_compress_hook`` and ``bf16_compress_hook`` (on gloo, ddplab's stand-ins run)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return [DDP(world_size, comm_hook=default_hooks.fp16_compress_hook),
+            DDP(world_size, comm_hook=default_hooks.bf16_compress_hook)]
+
+
+def compression(seed: int = 0, *, world_size: int = 2, steps: int = 4, model: str = "mlp") -> Example:
+    """The correct digits setup under DDP with the fp16 and bf16 compression hooks: gradients reduced
+    in the precision the user chose, judged by that precision's rounding -- rounding."""
+    configs = compression_configurations(world_size)
+    return Example(name="compression", setup=digits_setup(seed, model=model, steps=steps),
+                   configurations=configs, expected={c.label: Expected("rounding") for c in configs},
+                   story="Gradients all-reduced in float16 / bfloat16: further from the truth than "
+                         "float32's rounding, by the rounding of the precision chosen, and no more.")
 
 
 def planted(seed: int = 0, **kwargs) -> list[Example]:

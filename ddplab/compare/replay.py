@@ -89,6 +89,7 @@ def reduction_emulation(hook: Callable | None) -> Callable[[torch.Tensor], torch
     if hook in _REGISTERED:
         return _REGISTERED[hook]
     from ddplab import comm_hooks
+    hook = comm_hooks.gloo_equivalent(hook)[0]  # what ran on gloo in its place
     known = dict(getattr(comm_hooks, "REPLAY_EMULATIONS", {}))
     known.setdefault(comm_hooks.ddp_default_hook, _ddp_default)
     return known.get(hook)
@@ -106,6 +107,8 @@ def unavailable(setup: Setup, config: Configuration) -> str | None:
         return ("a Custom step may issue its own collectives and ddplab does not know what it "
                 "promises")
     collective = _collective_modules(setup)
+    if getattr(config, "sync_batchnorm", False):
+        collective = collective or ["BatchNorm layers (as SyncBatchNorm)"]
     if collective:
         return (f"the model's {', '.join(collective[:3])} issue their own collectives in forward, so "
                 f"one rank's step depends on the others' (no one-rank replay)")

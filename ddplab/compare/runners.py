@@ -383,12 +383,18 @@ def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     kwargs = dict(config.options)
     if config.bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = config.bucket_cap_mb
+    if config.sync_batchnorm:  # in place: the same parameters, the same names
+        from ddplab.sync_batchnorm import convert_sync_batchnorm
+        raw = convert_sync_batchnorm(raw)
     model = DistributedDataParallel(raw, **kwargs)
-    # Every bucket is kept for the replay, around DDP's own reduction or the user's hook.
-    hook_state = None
-    if config.comm_hook is not None and config.hook_state is not None:
-        hook_state = config.hook_state()
-    buckets = BucketCapture(named_trainable(raw), config.comm_hook, hook_state)
+    # Every bucket is kept for the replay, around DDP's own reduction or the user's hook
+    # (torch's default hooks become ddplab's on gloo: the same math, and they run there).
+    hook, hook_state = config.comm_hook, None
+    if hook is not None:
+        hook_state = config.hook_state() if config.hook_state is not None else None
+        from ddplab.comm_hooks import gloo_equivalent
+        hook = gloo_equivalent(hook)[0] if dist.get_backend() == "gloo" else hook
+    buckets = BucketCapture(named_trainable(raw), hook, hook_state)
     model.register_comm_hook(buckets, _capture_hook)
     optimizer = setup.optimizer(model.parameters())
     return _Trainer(model, optimizer, optimizer, lambda loss: loss.backward(), model.no_sync, buckets)

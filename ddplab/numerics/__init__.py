@@ -4,6 +4,7 @@
 * :mod:`~ddplab.numerics.contributions` — W per-rank inputs, stored or generated;
 * :mod:`~ddplab.numerics.exact` — correctly rounded sums and means (the reference);
 * :mod:`~ddplab.numerics.orders` — sequential, pairwise, gloo ring, NCCL ring/tree, bit for bit;
+* :mod:`~ddplab.numerics.compression` — the bucket DDP's reduction and the fp16/bf16 compression hooks leave;
 * :mod:`~ddplab.numerics.reduce_scatter` — the same for reduce-scatter, and FSDP2's divide factors;
 * :mod:`~ddplab.numerics.accumulation` — k local accumulations (no_sync) then the reduction;
 * :mod:`~ddplab.numerics.ulp` — signed ulp distances;
@@ -23,6 +24,7 @@ from ddplab.numerics.bounds import (LABELS, NOT_ROUNDING, OVERFLOW, PROBABILISTI
                                     UNDETERMINED, Classification, ReductionBounds, abs_sum, classify,
                                     finite_abs_sum, gamma, pair_bound, probabilistic_bound, probabilistic_gamma,
                                     reduction_bounds, rounding_bound)
+from ddplab.numerics.compression import emulate_compressed_allreduce, emulate_ddp_allreduce
 from ddplab.numerics.contributions import Contributions, as_contributions
 from ddplab.numerics.exact import exact_mean, exact_parts, exact_sum, round_to_dtype
 from ddplab.numerics.fixed_point import (dequantize, exponents, lossless_binades, quantize,
@@ -48,6 +50,8 @@ __all__ = [
     "check_reduction", "order_depth", "order_options",
     "default_averaging", "gloo_ring_segments", "nccl_ring_chunks", "nccl_double_binary_tree",
     "reduction_pieces",
+    # DDP's buckets: its own reduction and the compression hooks'
+    "emulate_ddp_allreduce", "emulate_compressed_allreduce",
     # reduce-scatter
     "REDUCE_SCATTER_ORDERS", "reduce_scatter", "reduce_scatter_pieces", "shard_range",
     "FSDPReduction", "fsdp_reduction",

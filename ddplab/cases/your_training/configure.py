@@ -16,8 +16,12 @@ from ddplab import compare
 __all__ = ["BUILTIN_CONFIGURATIONS", "DEFAULT_SETUP", "resolve", "resolve_setup",
            "resolve_configurations", "configuration_entry"]
 
-#: Configuration names the ``configurations`` parameter accepts besides ``module:function``.
-BUILTIN_CONFIGURATIONS = ("ddp", "accumulate", "fabric", "fsdp2", "fsdp2_bf16")
+#: Configuration names the ``configurations`` parameter accepts besides ``module:function``:
+#: ``ddp_fp16_compress`` / ``ddp_bf16_compress`` are DDP with torch's compression hook (on gloo,
+#: ddplab's stand-in of the same math), ``ddp_sync_batchnorm`` DDP with the setup's BatchNorm
+#: layers converted to ddplab's SyncBatchNorm.
+BUILTIN_CONFIGURATIONS = ("ddp", "accumulate", "fabric", "fsdp2", "fsdp2_bf16", "ddp_fp16_compress",
+                          "ddp_bf16_compress", "ddp_sync_batchnorm")
 #: The default setup: the shipped digits example, correct.
 DEFAULT_SETUP = "ddplab.compare.examples:digits_setup"
 
@@ -53,10 +57,15 @@ def resolve_setup(path: str):
 
 def resolve_configurations(params: dict) -> list:
     """The configurations parameter ``configurations`` names, built for ``world_size`` and ``k``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     world, k = params["world_size"], params["k"]
     built = {"ddp": lambda: compare.DDP(world), "accumulate": lambda: compare.Accumulate(world, k=k),
              "fabric": lambda: compare.Fabric(world), "fsdp2": lambda: compare.FSDP2(world),
-             "fsdp2_bf16": lambda: compare.FSDP2(world, param_dtype=torch.bfloat16)}
+             "fsdp2_bf16": lambda: compare.FSDP2(world, param_dtype=torch.bfloat16),
+             "ddp_fp16_compress": lambda: compare.DDP(world, comm_hook=default_hooks.fp16_compress_hook),
+             "ddp_bf16_compress": lambda: compare.DDP(world, comm_hook=default_hooks.bf16_compress_hook),
+             "ddp_sync_batchnorm": lambda: compare.DDP(world, sync_batchnorm=True)}
     out = []
     for name in params["configurations"]:
         if name in built:

@@ -424,6 +424,10 @@ def _summary(classification: str, degenerate: bool, diverged: bool, referee: str
     if referee == "replicas":
         return ("bug: the ranks disagree after a synchronized step: at step {desync_step} rank {desync_rank} "
                 "holds a {desync_quantity} of {desync_param} bitwise other than rank 0's{replay_text}")
+    if referee == "replay" and classification == "bug" and values.get("replay_quantity") == "forward":
+        return ("bug: at step {replay_step}, rank {replay_rank}'s forward output of module {replay_param} "
+                "differs from the specification replay's on the same input (by digest; {replay_differing} "
+                "forward output(s) differ from there on)")
     if referee == "replay" and classification == "bug":
         return ("bug: at step {replay_step}, rank {replay_rank}'s {phase_text} of {replay_param} differs from "
                 "the specification replay in {replay_differing} element(s), up to {replay_max_ulp} ulp "

@@ -1,0 +1,479 @@
+"""The evidence a comparison's verdict rests on: one declaration per source, strongest first.
+
+Each :class:`Evidence` reads the tidy records of one configuration and
+returns a typed :class:`~ddplab.verdict.Finding` (``holds`` True, False, or
+None when it could not look). :data:`EVIDENCE` orders the sources; the
+verdict (:func:`decide`) walks it twice:
+
+1. the first source that **proves a bug** decides -- a bug proven by bits
+   (ranks that disagree, a collective or a rank's step that differs from its
+   emulation, a computation that depends on the rank, a promise that is not
+   one process's) always wins over any tolerance;
+2. otherwise the first source that **clears** the configuration decides
+   (``exact``: bit for bit against the replay; ``rounding`` earned by the
+   float64 run of the user's own code; ``approximation``: a lossy step the
+   user declared); the tolerance band, last, always decides.
+
+A new source is one declaration here: its reader, what it proves, what it
+clears, and one row per verdict it can give (:func:`verdict_table`, which
+the README's verdict table is rendered from).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from ddplab.compare import referee as _referee
+from ddplab.verdict import Finding
+
+__all__ = ["Evidence", "Decision", "Context", "EVIDENCE", "decide", "verdict_table", "rows", "label",
+           "pieces_text", "DEGENERATE_FRACTION"]
+
+#: A band below this fraction of the unit roundoff means the reference reproduced the truth
+#: (exact arithmetic): its distance measures no rounding, so there is no band.
+DEGENERATE_FRACTION = 1e-3
+
+
+# --------------------------------------------------------------------------- reading records
+
+
+def rows(frame, metric: str, config: str):
+    """The records of ``metric`` for ``config``."""
+    if "config" not in frame.columns:
+        return frame.iloc[0:0]
+    return frame[(frame["metric"] == metric) & (frame["config"] == config)]
+
+
+def label(row, key, default=None):
+    """A label of a record row; ``default`` where it is absent or NaN."""
+    value = row.get(key, default) if hasattr(row, "get") else default
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return default
+    return value
+
+
+def pieces_text(missing: list[int], world: int, k: int) -> str:
+    """Pieces ``r*k + m`` in words: "rank 0's share", "micro-batches 0, 1 of every rank", ..."""
+    pairs = [(j // k, j % k) for j in missing]
+    ranks = sorted({r for r, _ in pairs})
+    micros = sorted({m for _, m in pairs})
+    if k == 1:
+        return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks)) + \
+            ("'s share" if len(ranks) == 1 else "' shares")
+    if len(pairs) == len(micros) * world:  # the same micro-batches of every rank
+        return ("micro-batch " if len(micros) == 1 else "micro-batches ") + ", ".join(map(str, micros)) + \
+            " of every rank"
+    if len(pairs) == len(ranks) * k:
+        return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks)) + " (every micro-batch)"
+    return ", ".join(f"rank {r} micro-batch {m}" for r, m in pairs)
+
+
+@dataclasses.dataclass
+class Context:
+    """What every source reads: the records, the configuration, and its status row's facts."""
+
+    frame: object
+    config: str
+    world: int
+    k: int
+    status: dict                      # the steps_completed row's labels (no_replay, random, compression, ...)
+    findings: dict = dataclasses.field(default_factory=dict)   # source name -> Finding | None
+
+    def fact(self, key: str, default=None):
+        return label(self.status, key, default)
+
+
+@dataclasses.dataclass
+class Decision:
+    """What the deciding source concludes: the classification, the finding kind, where it starts,
+    the headline's template and the numbers it adds to the verdict's values."""
+
+    classification: str
+    evidence: str
+    summary: str
+    finding: str | None = None
+    first_divergence: int | None = None
+    values: dict = dataclasses.field(default_factory=dict)
+    extra_findings: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """One evidence source.
+
+    ``read(ctx)`` turns the records into a Finding (or None: nothing recorded);
+    ``proves(finding, ctx)`` returns the bug Decision it proves, or None;
+    ``clears(ctx)`` the positive Decision it earns, or None. ``verdicts`` are
+    ``(kind, meaning)`` rows for the verdict table, ``meaning`` in Markdown.
+    """
+
+    name: str
+    read: Callable[[Context], Finding | None]
+    proves: Callable[[Finding, Context], Decision | None] = lambda finding, ctx: None
+    clears: Callable[[Context], Decision | None] = lambda ctx: None
+    verdicts: tuple = ()
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+def _read_replicas(ctx: Context) -> Finding | None:
+    """Replicas must hold bitwise the same gradients and parameters after a synchronized step."""
+    found = rows(ctx.frame, "rank_distance", ctx.config)
+    if found.empty:
+        return None
+    per_param = found[found["param"] != _referee.MODEL]
+    bad = per_param[~per_param["bitwise_equal"].astype(bool)]
+    values = dict(max_rank_distance=float(found[found["param"] == _referee.MODEL]["value"].max()),
+                  step=-1, rank=-1, param="", quantity="")
+    if not bad.empty:
+        first = bad.assign(_q=(bad["quantity"] == "param").astype(int)).sort_values(
+            ["step", "_q", "rank"], kind="stable").iloc[0]
+        values.update(step=int(first["step"]), rank=int(first["rank"]), param=str(first["param"]),
+                      quantity=str(first["quantity"]))
+    return Finding(key="ranks_agree", claim="Every rank holds bitwise the same gradients and parameters",
+                   holds=bad.empty,
+                   template=("first difference: step {step}, rank {rank}, {quantity} of {param}; largest "
+                             "relative distance from rank 0: {max_rank_distance}"),
+                   values=values)
+
+
+def _proves_replicas(finding: Finding, ctx: Context) -> Decision | None:
+    if finding.holds is not False:
+        return None
+    rv = finding.values
+    values = {f"desync_{key}": rv[key] for key in ("step", "rank", "param", "quantity")}
+    values.update(first_rank=rv["rank"], first_param=rv["param"], replay_text="")
+    extra = []
+    local = ctx.findings.get("localization")
+    if local is not None and local.key == "desync":
+        extra.append(local)  # the band's view of it: each rank's distance, the piece weights
+    replay = ctx.findings.get("replay")
+    if replay is not None and replay.holds is False:  # the replay says which rank and phase
+        pv = replay.values
+        values.update({f"replay_{key}": pv[key] for key in ("step", "rank", "phase", "param")})
+        values.update(first_rank=pv["rank"], first_param=pv["param"],
+                      replay_text=(f"; the replay places it at step {pv['step']} in rank {pv['rank']}'s "
+                                   f"{pv['phase_text']} of {pv['param']}{pv['module_text']}"))
+    return Decision("bug", "replicas", finding="desync", first_divergence=rv["step"], values=values,
+                    extra_findings=extra,
+                    summary=("bug: the ranks disagree after a synchronized step: at step {desync_step} rank "
+                             "{desync_rank} holds a {desync_quantity} of {desync_param} bitwise other than "
+                             "rank 0's{replay_text}"))
+
+
+# --------------------------------------------------------------------------- the specification replay
+
+
+_PHASE_TEXT = {"local_gradient": "local gradient (its bucket input)",
+               "reduction": "reduced gradient (its bucket output)", "update": "update"}
+
+
+def _read_replay(ctx: Context) -> Finding | None:
+    """Bits against the specification replay (:mod:`ddplab.compare.replay`)."""
+    from ddplab.compare.replay import first_difference
+
+    reason = str(ctx.fact("no_replay", "") or "")
+    found = rows(ctx.frame, "replay_differing", ctx.config)
+    if found.empty:
+        return None if not reason else Finding(
+            key="replay", claim="Every rank equals the specification replay bit for bit", holds=None,
+            template="no replay: {reason}", values=dict(reason=reason))
+    unverified = rows(ctx.frame, "replay_unverified", ctx.config)
+    first = first_difference(ctx.frame, ctx.config)
+    values = dict(compared=int(len(found)), steps=int(found["step"].nunique()),
+                  phases=sorted({str(p) for p in found["phase"]}),
+                  unverified=sorted({f"{r['phase']}: {r['reason']}" for _, r in unverified.iterrows()}) or ["none"],
+                  complete=bool(unverified.empty))
+    if first is not None:
+        values.update(first)
+        values["phase_text"] = _PHASE_TEXT[first["phase"]]
+        if first["quantity"] == "forward":  # the forward outputs, compared by digest
+            values["phase_text"] = "forward outputs (by digest)"
+            values["param"] = first["module"] or first["param"]
+        values["module_text"] = (f"; it starts in module {first['module']} "
+                                 f"(by its {first['found_by'].replace('_', ' ')})" if first["module"] else "")
+    return Finding(key="replay", claim="Every rank equals the specification replay bit for bit",
+                   holds=first is None,
+                   template=("{compared} comparisons over {steps} step(s), phases {phases}; not replayed: "
+                             "{unverified}"),
+                   values=values)
+
+
+def _proves_replay(finding: Finding, ctx: Context) -> Decision | None:
+    if finding.holds is not False:
+        return None
+    rv = finding.values
+    values = {f"replay_{key}": rv[key] for key in ("step", "rank", "phase", "quantity", "param",
+                                                    "differing", "max_ulp", "max_relative", "module")}
+    values.update(phase_text=rv["phase_text"], module_text=rv["module_text"], first_rank=rv["rank"],
+                  first_param=rv["param"])
+    if rv["quantity"] == "forward":
+        summary = ("bug: at step {replay_step}, rank {replay_rank}'s forward output of module {replay_param} "
+                   "differs from the specification replay's on the same input (by digest; {replay_differing} "
+                   "forward output(s) differ from there on)")
+    else:
+        summary = ("bug: at step {replay_step}, rank {replay_rank}'s {phase_text} of {replay_param} differs "
+                   "from the specification replay in {replay_differing} element(s), up to {replay_max_ulp} "
+                   "ulp ({replay_max_relative} relative){module_text}")
+    return Decision("bug", "replay", finding="replay", first_divergence=rv["step"], values=values,
+                    summary=summary)
+
+
+def _clears_replay(ctx: Context) -> Decision | None:
+    """Exact: every rank equals the replay bit for bit, and the promise is one process's (or random)."""
+    replay, semantic = ctx.findings.get("replay"), ctx.findings.get("semantic")
+    random = bool(ctx.fact("random", False))
+    if not (replay is not None and replay.holds is True and replay.values["complete"]):
+        return None
+    if semantic is None and not random:
+        return None
+    text = ("exact: every rank equals the specification replay bit for bit at every step, so the "
+            "difference from one process ({max_deviation} × the reference's own rounding distance) is "
+            "the batch split's rounding")
+    if ctx.fact("compression"):
+        text = ("exact: every rank equals the specification replay of the {compression} compression you "
+                "asked for, bit for bit at every step: rounding of that compression, {max_deviation} × "
+                "the reference's own rounding distance")
+    if semantic is not None:
+        text += "; in float64 the promise equals one process within {semantic_tolerance}"
+    else:
+        text += ("; the model draws random numbers (dropout), so one process draws other ones and "
+                 "the semantic question is not asked")
+    return Decision("exact", "replay", summary=text)
+
+
+# --------------------------------------------------------------------------- the float64 promise
+
+
+def _read_semantic(ctx: Context) -> Finding | None:
+    """Does the float64 promise equal the float64 one-process truth?"""
+    found = rows(ctx.frame, "semantic_distance", ctx.config)
+    if found.empty:
+        return None
+    diff = rows(ctx.frame, "semantic_difference", ctx.config)
+    values = dict(max_semantic_distance=float(found["value"].max()),
+                  semantic_tolerance=float(found.iloc[0]["tolerance"]), step=-1, kind="none",
+                  factor=math.nan, factor_name="", missing=[])
+    if not diff.empty:
+        d = diff.iloc[0]
+        missing = label(d, "missing", "")
+        values.update(step=int(d["step"]), kind=str(d["kind"]), factor=float(label(d, "factor", math.nan)),
+                      factor_name=str(label(d, "factor_name", "") or ""),
+                      missing=[int(j) for j in str(missing).split(",")] if missing not in (None, "") else [])
+    return Finding(key="semantic",
+                   claim=("In float64, what the configuration promises (each rank's share, the mean over "
+                          "ranks) is one process's computation"),
+                   holds=diff.empty,
+                   template=("largest distance of the float64 promise from the truth {max_semantic_distance} "
+                             "(tolerance {semantic_tolerance})"),
+                   values=values)
+
+
+def _semantic_text(values: dict, world: int, k: int) -> str:
+    kind = values["kind"]
+    if kind == "factor":
+        named = f" = {values['factor_name']}" if values["factor_name"] else ""
+        return f"every gradient is {values['factor']:.6g}{named} times one process's: one constant factor"
+    if kind == "missing_contribution":
+        return f"the gradient lacks the contribution of {pieces_text(values['missing'], world, k)}"
+    return ("the gradient is no combination of the pieces' gradients that one process takes: a different "
+            "computation (per-rank statistics, local negatives, local clipping, ...)")
+
+
+def _proves_semantic(finding: Finding, ctx: Context) -> Decision | None:
+    if finding.holds is not False:
+        return None
+    sv = finding.values
+    # The kind the piece fit names: a factor, a missing contribution, or another computation.
+    kind = sv["kind"] if sv["kind"] in ("factor", "missing_contribution") else "semantic"
+    values = dict(semantic_step=sv["step"], semantic_kind=sv["kind"], semantic_factor=sv["factor"],
+                  semantic_missing=sv["missing"], semantic_text=_semantic_text(sv, ctx.world, ctx.k),
+                  first_rank=-1, first_param=_referee.MODEL)
+    return Decision("bug", "semantic", finding=kind, first_divergence=sv["step"], values=values,
+                    summary=("bug: what the configuration promises is not one process's computation: from "
+                             "step {semantic_step} the float64 promise differs from the float64 truth by "
+                             "{max_semantic_distance} (tolerance {semantic_tolerance}); {semantic_text}"))
+
+
+# --------------------------------------------------------------------------- the tolerance band
+
+
+_CLAIMS = {
+    "factor": "At step {step} every gradient is {factor} {factor_named}times the reference's: one constant factor",
+    "missing_contribution": ("At step {step} the gradient lacks the contribution of {missing_text}: the "
+                             "difference from the reference equals that gradient"),
+    "desync": ("The ranks disagree: rank(s) {desync_ranks} hold gradients or parameters other than rank "
+               "0's, up to {max_rank_deviation} × the band"),
+    "update": ("At step {step} the gradients agree with the reference within the band, the parameters "
+               "after optimizer.step() do not: the update differs ({optimizer_steps} optimizer.step() "
+               "call(s) on rank 0)"),
+    "semantic": ("At step {step} the gradient is not the reference's up to a factor or a missing "
+                 "contribution: a different computation"),
+}
+_FIT_TEMPLATE = ("fit on the {pieces} batch pieces at step {step}: weights relative to the truth's "
+                 "{piece_weights}; residual {residual_config} (truth {residual_truth}), tolerance {tolerance}")
+
+
+def _read_localization(ctx: Context) -> Finding | None:
+    """The piece fit at the first step that left the band (:mod:`ddplab.compare.localization`)."""
+    frame, config, world, k = ctx.frame, ctx.config, ctx.world, ctx.k
+    found = rows(frame, "localized", config)
+    if found.empty:
+        return None
+    row = found.iloc[0]
+    kind, step = row["finding"], int(row["step"])
+    values = dict(step=step, quantity=label(row, "quantity"), tolerance=float(label(row, "tolerance", math.nan)),
+                  factor=math.nan, factor_name=None, factor_named="", residual_config=math.nan,
+                  residual_truth=math.nan, optimizer_steps=int(label(row, "optimizer_steps", 1)))
+    factor_rows = rows(frame, "fit_factor", config)
+    if not factor_rows.empty:
+        values["factor"] = float(factor_rows.iloc[0]["value"])
+        values["factor_name"] = label(factor_rows.iloc[0], "factor_name")
+        if values["factor_name"]:
+            values["factor_named"] = f"= {values['factor_name']} "
+    for _, r in rows(frame, "fit_residual", config).iterrows():
+        values[f"residual_{r['series']}"] = float(r["value"])
+    weights = rows(frame, "piece_weight", config).sort_values("piece")
+    values["piece_weights"] = [round(float(v), 6) for v in weights["value"]]
+    values["pieces"] = len(values["piece_weights"])
+    missing = label(row, "missing")
+    values["missing"] = [int(j) for j in str(missing).split(",")] if missing not in (None, "") else []
+    values["missing_pieces"] = [[j // k, j % k] for j in values["missing"]]
+    values["missing_text"] = pieces_text(values["missing"], world, k) if values["missing"] else "none"
+    desync = rows(frame, "desync_deviation", config)
+    # [rank, deviation] pairs, not a dict: JSON would turn integer keys into strings.
+    values["rank_deviation"] = sorted([int(r["rank"]), float(r["value"])] for _, r in desync.iterrows())
+    beyond = [r for r, z in values["rank_deviation"] if z > _referee.ROUNDING_MARGIN]
+    values["desync_ranks"] = beyond or ["none"]
+    values["max_rank_deviation"] = max((z for _, z in values["rank_deviation"]), default=0.0)
+    return Finding(key=kind, claim=_CLAIMS[kind], holds=True, template=_FIT_TEMPLATE, values=values)
+
+
+def _clears_tolerance(ctx: Context) -> Decision:
+    """The band decides where nothing stronger did: rounding, bug or undetermined by the margins."""
+    band = ctx.findings["within_band"].values
+    classification = band["classification"]
+    only_degenerate = band["only_degenerate"]
+    finding, values = None, {}
+    extra = []
+    local = ctx.findings.get("localization")
+    if local is not None:
+        extra.append(local)
+        finding = local.key
+        values["finding_text"] = "; " + local.claim_text[0].lower() + local.claim_text[1:]
+    tail = "; judged by tolerance (no replay: {no_replay})" if ctx.fact("no_replay") else ""
+    diverged = band["first_divergence"] >= 0
+    if classification == "rounding":
+        summary = ("rounding: at most {max_deviation} × the reference's own rounding distance "
+                   "(margin {rounding_margin})" + tail)
+    elif only_degenerate:
+        summary = ("undetermined: the reference reproduces the float64 truth to within a rounding, "
+                   "so its distance gives no band to judge by" + tail)
+    else:
+        where = " from step {first_divergence}" if diverged else ""
+        if classification == "bug":
+            summary = "bug: {max_deviation} × the rounding band" + where + "{finding_text}" + tail
+        else:
+            summary = ("undetermined: {max_deviation} × the rounding band" + where + ", beyond every correct "
+                       "run measured but not by orders of magnitude{finding_text}" + tail)
+    return Decision(classification, "tolerance", summary=summary, finding=finding,
+                    first_divergence=band["first_divergence"] if diverged else None, values=values,
+                    extra_findings=extra)
+
+
+def read_band(ctx: Context, dev) -> Finding:
+    """The band finding from the rank-0 ``deviation`` rows ``dev`` (not empty)."""
+    frame, config = ctx.frame, ctx.config
+    degenerate = set()
+    bands = rows(frame, "band", config)
+    for _, b in bands[bands["param"] == _referee.MODEL].iterrows():
+        if b["value"] < DEGENERATE_FRACTION * float(label(b, "unit_roundoff", 0.0)):
+            degenerate.add((int(b["step"]), b["quantity"]))
+    is_degenerate = [(int(s), q) in degenerate for s, q in zip(dev["step"], dev["quantity"])]
+    sound = dev[[not d for d in is_degenerate]]
+    worst = dev.loc[dev["value"].idxmax()]
+    max_dev = float(worst["value"])
+    sound_max = float(sound["value"].max()) if not sound.empty else 0.0
+    classification = _referee.classify_deviation(sound_max)
+    only_degenerate = max_dev > _referee.ROUNDING_MARGIN >= sound_max
+    if only_degenerate:
+        classification = "undetermined"
+    where = (f"the gradient of {worst['param']}" if worst["quantity"] == "grad"
+             else f"{worst['param']} after the update")
+    first_rows = rows(frame, "first_divergence", config)
+    first = int(first_rows.iloc[0]["value"]) if not first_rows.empty else -1
+    values = dict(max_deviation=max_dev, step=int(worst["step"]), param=str(worst["param"]),
+                  quantity=str(worst["quantity"]), where=where, rounding_margin=_referee.ROUNDING_MARGIN,
+                  bug_margin=_referee.BUG_MARGIN, steps_compared=int(dev["step"].max()) + 1,
+                  degenerate_steps=len(degenerate), classification=classification,
+                  only_degenerate=only_degenerate, first_divergence=first)
+    return Finding(
+        key="within_band",
+        claim=("Every gradient and parameter stays within {rounding_margin} × the reference's own "
+               "distance from the float64 truth"),
+        holds=max_dev <= _referee.ROUNDING_MARGIN,
+        template=("largest deviation {max_deviation} × the band at step {step}, {where}, "
+                  "over {steps_compared} step(s)"),
+        values=values)
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+EVIDENCE: tuple[Evidence, ...] = (
+    Evidence("replicas", _read_replicas, proves=_proves_replicas, verdicts=(
+        ("bug", "after a synchronized step two ranks hold gradients or parameters that differ in any bit: "
+                "replicas must agree, no band makes that rounding (the replay then names the rank and phase "
+                "that started it)"),)),
+    Evidence("replay", _read_replay, proves=_proves_replay, clears=_clears_replay, verdicts=(
+        ("bug", "some rank's local gradient, reduced bucket or update differs from ddplab's specification "
+                "replay of that rank's step, by any amount (one ulp in one element counts): the first step, "
+                "rank, phase (`local_gradient`, `reduction`, `update`), parameter, ulps and module"),
+        ("exact", "every rank equals the replay bit for bit at every step, and in float64 the promise is one "
+                  "process's computation: the difference from one process is provably the batch split's "
+                  "rounding (its size is still in the band figures)"))),
+    Evidence("semantic", _read_semantic, proves=_proves_semantic, verdicts=(
+        ("bug", "the replay is exact, but what the configuration promises, run in float64, differs from one "
+                "process's float64 truth beyond 1e-9 relative (float64 rounding is ~1e-16): the finding "
+                "names the kind (`factor`, `missing_contribution`, or another computation: `semantic`)"),)),
+    Evidence("tolerance", lambda ctx: ctx.findings.get("within_band"), clears=_clears_tolerance, verdicts=(
+        ("rounding", "nothing above decided (a `Custom` step, a model whose modules issue collectives such "
+                     "as SyncBatchNorm, FSDP2's backward, a comm hook ddplab cannot emulate; the summary "
+                     "says which) and every step lies within 100× the reference's own rounding distance "
+                     "from the float64 truth"),
+        ("bug / undetermined", "by tolerance alone: ≥ 10 000× the band, or in between the margins (or no "
+                               "band to judge by)"))),
+)
+
+
+def decide(ctx: Context) -> Decision:
+    """The verdict's decision: the first source that proves a bug, else the first that clears.
+
+    ``ctx.findings`` must hold ``within_band`` and ``localization`` (the band's own findings);
+    every source's finding is added to it under the source's name.
+    """
+    for source in EVIDENCE:
+        if source.name not in ctx.findings:
+            ctx.findings[source.name] = source.read(ctx)
+    for source in EVIDENCE:
+        finding = ctx.findings[source.name]
+        decision = source.proves(finding, ctx) if finding is not None else None
+        if decision is not None:
+            return decision
+    for source in EVIDENCE:
+        decision = source.clears(ctx)
+        if decision is not None:
+            return decision
+    raise AssertionError("the tolerance band always decides")
+
+
+def verdict_table() -> str:
+    """The verdict table of the README, rendered from :data:`EVIDENCE` (strongest first)."""
+    lines = ["| verdict | evidence | meaning |", "|---|---|---|"]
+    for source in EVIDENCE:
+        for kind, meaning in source.verdicts:
+            bold = " / ".join(f"**{k}**" for k in kind.split(" / "))
+            lines.append(f"| {bold} | `{source.name}` | {meaning} |")
+    return "\n".join(lines)

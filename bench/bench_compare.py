@@ -8,9 +8,13 @@
   pairs with its range, the ratio of best times and the load average.
   Target ≤ 1.5×.
 * False alarms: the correct example over ``--seeds`` seeds under every
-  built-in configuration; counts configurations not judged "rounding". Target 0.
+  built-in configuration, and correct Custom steps (accumulation with and
+  without no_sync, a hand-written all-reduce, autocast, hand-written fp16/bf16
+  hooks); counts configurations not judged as expected. Target 0.
 * Planted bugs: every planted example over ``--seeds`` seeds; counts those
   named with the right verdict and finding (and factor / missing pieces). Target 100%.
+* ``--sensitivity``: quiet faults of every size down to one ulp, planted in the
+  built-in configurations and written inside a Custom step; detected and placed.
 * ``--calibrate``: the largest deviation on correct code over seeds × models
   (MLP, deeper MLP, GroupNorm CNN) × optimizers (SGD with momentum, Adam) ×
   batch sizes (48, and one sample per rank) × configurations -- the number
@@ -158,6 +162,63 @@ def sensitivity(seeds: int, steps: int) -> None:
         print(f"{name:34s}{str(magnitude):>10s}{detected:>7d}/{seeds}{placed:>5d}/{seeds}")
 
 
+def _placed(verdict, fault) -> bool:
+    """The deciding evidence places the fault at its step and rank (the float64 run names no rank)."""
+    v = verdict.values
+    if fault.phase == "float64":
+        return verdict.evidence == "float64" and v.get("float64_step") == fault.step
+    if fault.phase == "replicas":
+        return verdict.evidence == "replicas" and (v.get("desync_step"), v.get("desync_rank")) == (fault.step, fault.rank)
+    return verdict.evidence == "twin" and (v.get("twin_step"), v.get("twin_rank")) == (fault.step, fault.rank)
+
+
+def custom_sensitivity(seeds: int, steps: int) -> None:
+    """Faults written inside a Custom step (:func:`ddplab.compare.faults.plant_custom`), every kind at
+    every size down to one ulp (faults every rank commits: 1e-2 to 1e-6; float64 cannot see an ulp of
+    float32), all configurations of one size in one comparison."""
+    from ddplab.compare import faults
+
+    rows = []
+    for magnitude in faults.MAGNITUDES:
+        kinds = [k for k in faults.CUSTOM_KINDS if not (k.startswith("every_rank") and magnitude == "ulp")]
+        counts = {k: [0, 0] for k in kinds}
+        for seed in range(seeds):
+            plants = [faults.plant_custom(k, magnitude, seed=seed, steps=steps) for k in kinds]
+            grad_fault = [p for p in plants if p.kind == "local_gradient"]   # its own model: its own run
+            rest = [p for p in plants if p.kind != "local_gradient"]
+            for group in (rest, grad_fault):
+                result = compare.run(group[0].setup, [p.config for p in group], progress=False)
+                for fault in group:
+                    verdict = result.verdict(fault.config)
+                    counts[fault.kind][0] += verdict.kind == "bug"
+                    counts[fault.kind][1] += _placed(verdict, fault)
+        rows += [(kind, magnitude, *counts[kind]) for kind in kinds]
+    print(f"faults in a Custom step (rank 1; every_rank_*: all ranks), {seeds} seed(s) each, {steps} steps, "
+          f"load average {load_average()[0]:.2f} (target: every one bug and placed)")
+    print(f"{'fault':34s}{'magnitude':>10s}{'detected':>10s}{'placed':>8s}")
+    for name, magnitude, detected, placed in rows:
+        print(f"{name:34s}{str(magnitude):>10s}{detected:>7d}/{seeds}{placed:>5d}/{seeds}")
+
+
+def custom_false_alarms(seeds: int, steps: int) -> None:
+    """Correct Custom steps (:func:`ddplab.compare.examples.correct_custom_steps`) over seeds: never bug."""
+    kinds, alarms = {}, []
+    for seed in range(seeds):
+        result = compare.run(examples.digits_setup(seed, steps=steps), examples.correct_custom_steps(),
+                             progress=False)
+        for label, verdict in result.verdicts.items():
+            kinds.setdefault(label, []).append(f"{verdict.kind}/{verdict.evidence}")
+            if verdict.kind not in ("rounding", "exact", "approximation"):
+                alarms.append((seed, label, verdict.kind, verdict.headline))
+    total = sum(len(v) for v in kinds.values())
+    print(f"false alarms on correct Custom steps: {len(alarms)} of {total} configuration runs ({seeds} seeds), "
+          f"load average {load_average()[0]:.2f}   (target 0)")
+    for label, seen in kinds.items():
+        print(f"    {label:45s} {', '.join(sorted(set(seen)))}")
+    for alarm in alarms:
+        print("   ", alarm)
+
+
 # --------------------------------------------------------------------------- calibration of the margins
 
 
@@ -206,11 +267,13 @@ def main() -> None:
         return
     if args.sensitivity:
         sensitivity(args.seeds, min(args.steps, 3))
+        custom_sensitivity(args.seeds, min(args.steps, 3))
         return
     if args.only in (None, "overhead"):
         overhead(args.rounds, args.steps)
     if args.only in (None, "alarms"):
         false_alarms(args.seeds, args.steps, args.alarm_configs)
+        custom_false_alarms(args.seeds, args.steps)
     if args.only in (None, "planted"):
         planted(args.seeds, min(args.steps, 4))
     print(machine_line())

@@ -67,9 +67,9 @@ def test_collectives_are_audited_bit_for_bit_where_ddplab_emulates_them(correct_
         assert reduction.holds, (label, reduction.evidence)
         assert reduction.values["evidence"] == ["bitwise"] and reduction.values["collective"] == [collective]
         assert reduction.values["steps"] == STEPS and reduction.values["min_match"] == 1.0
-    # A custom step's synchronization is the user's own: no reduction audit, end to end only.
-    with pytest.raises(KeyError):
-        result.verdict("accumulate_correctly W=2 k=2")._finding("reduction")
+    # A custom step wrapped in DDP (wrap="ddp") reduces through DDP's buckets: audited the same way.
+    custom = result.verdict("accumulate_correctly W=2 k=2")._finding("reduction")
+    assert custom.holds and custom.values["evidence"] == ["bitwise"] and custom.values["steps"] == STEPS
 
 
 def test_bfloat16_is_judged_against_a_bfloat16_reference(correct_run):

@@ -101,7 +101,10 @@ def test_dropout_is_replayed_from_each_ranks_rng_state(warm_launcher):
 def test_a_custom_step_has_no_replay_and_says_why(warm_launcher):
     config = compare.Custom(2, k=2, train_step=examples.accumulate_correctly)
     _, v = _verdict(examples.digits_setup(0, steps=2), config)
-    assert v.referee == "tolerance" and v.kind == "rounding"
+    # No replay: rounding is earned by the user's own code in float64 and the symmetric twin instead.
+    assert (v.evidence, v.kind) == ("float64", "rounding")
+    assert v._finding("twin").holds and v._finding("float64").holds
+    assert v.finding_values("float64")["max_float64_distance"] < 1e-13
     assert v.finding_values("replay")["reason"] == replay.unavailable(examples.digits_setup(0), config)
 
 

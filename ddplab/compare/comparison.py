@@ -17,7 +17,6 @@ comparison then keeps what was captured so far and runs nothing more.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 import time
 from typing import Callable
@@ -26,9 +25,11 @@ import torch
 
 from ddplab import launcher as _launcher
 from ddplab import records as _records
+from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
 from ddplab.compare import referee as _referee
 from ddplab.compare import replay as _replay
+from ddplab.compare import twin as _twin
 from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
 from ddplab.compare.runners import (RunSpec, configuration_worker, load_capture, reference_runs,
                                     reference_worker)
@@ -153,14 +154,14 @@ def _captures(root: str, run_id: str, steps: int, rank: int) -> list[dict]:
     return out
 
 
-def _band_run(config: Configuration, runs: list[RunSpec]) -> RunSpec:
-    param_dtype, reduce_dtype = config.precision()
+def _band_run(config: Configuration, runs: list[RunSpec], precision: tuple | None = None) -> RunSpec:
+    param_dtype, reduce_dtype = precision or config.dtypes()
     for spec in runs:
         if spec.label == "truth":
             continue
         if (spec.param_dtype, spec.reduce_dtype) == (param_dtype, reduce_dtype):
             return spec
-    raise AssertionError(f"no reference run for precision {config.precision()}")
+    raise AssertionError(f"no reference run for precision {(param_dtype, reduce_dtype)}")
 
 
 def _compression(config: Configuration) -> str | None:
@@ -256,7 +257,184 @@ def _status_record(config: Configuration, status: str, steps_done: int, error: B
     return _records.record("steps_completed", steps_done, **labels)
 
 
+# --------------------------------------------------------------------------- the evidence runs
+
+
+def own_evidence(setup: Setup, config: Configuration) -> bool:
+    """Does ``config`` need the evidence that asks no specification (the symmetric twin, its own code
+    in float64)? Where the specification replay covers every phase it is the stronger evidence."""
+    if _replay.unavailable(setup, config) is not None or isinstance(config, FSDP2):
+        return True
+    if config.approximates() is not None:
+        return True
+    return _replay.reduction_emulation(getattr(config, "comm_hook", None)) is None
+
+
+def _float64_precision(config: Configuration, run: list[dict]) -> torch.dtype | None:
+    """The lowest precision the float64 run still computed in: the configuration's own mixed
+    precision, its compression hook, the dtypes its modules returned."""
+    names = [d for d in config.dtypes() if d is not None]
+    names = [str(d).replace("torch.", "") for d in names]
+    if _compression(config):
+        names.append(_compression(config))
+    for cap in run:
+        names += list(cap.get("forward_dtypes", []))
+    return _float64.lowest_precision(names)
+
+
+def _float64_records(setup: Setup, config: Configuration, run: list[dict], caps: dict) -> list[dict]:
+    """The configuration's own code in float64 against the float64 truth (:mod:`ddplab.compare.float64_run`)."""
+    low = _float64_precision(config, run)
+    tolerance = _float64.precision_tolerance(low, config.world_size)
+    judged_at = str(low).replace("torch.", "") if low is not None else "float64"
+    return _float64.distance_records("float64", setup, config, run, caps, tolerance, judged_at=judged_at)
+
+
+def _detected_precision(config: Configuration, ranks: list[list[dict]], dtype: torch.dtype) -> torch.dtype | None:
+    """A compute precision below the model's that the run showed (autocast) but did not declare."""
+    if config.dtypes() != (None, None) or not ranks or not ranks[0]:
+        return None
+    low = _float64.lowest_precision(ranks[0][0].get("forward_dtypes", []))
+    return low if low is not None and unit_roundoff(low) > unit_roundoff(dtype) else None
+
+
+def _unavailable_record(config: Configuration, evidence: str, reason: str) -> dict:
+    return _records.record("evidence_unavailable", 1, config=config.label, evidence=evidence, reason=reason)
+
+
 # --------------------------------------------------------------------------- the entry point
+
+
+class _Session:
+    """One comparison's launches and analysis inside its scratch folder ``root``."""
+
+    def __init__(self, setup: Setup, configs: list[Configuration], facts: dict, runs: list[RunSpec],
+                 root: str, timeout: float, on_record: Callable):
+        self.setup, self.configs, self.facts, self.runs = setup, configs, facts, runs
+        self.root, self.timeout, self.on_record = root, timeout, on_record
+        self.steps = facts["steps"]
+        self.statuses: dict[str, tuple[str, BaseException | None]] = {}
+        self.variants: dict[tuple[str, str], str | None] = {}   # (config, variant) -> why it failed, or None
+        self.stopped = False
+
+    def references(self, runs: list[RunSpec]) -> None:
+        """The single-process runs; a failure there leaves nothing to compare with."""
+        try:
+            _launcher.launch(reference_worker, world_size=1,
+                             args=(self.setup, runs, self.steps, self.root, self.facts["digest"]),
+                             timeout=self.timeout, on_record=self.on_record)
+        except _launcher.LaunchStopped:
+            self.stopped = True
+        except _launcher.RankFailed as err:
+            if err.exc_type == "SetupError":
+                raise SetupError(str(err).splitlines()[0].split("SetupError: ", 1)[-1]) from err
+            raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
+                                  f"compare with:\n{err}") from err
+        except _launcher.LaunchError as err:
+            raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
+                                  f"compare with:\n{err}") from err
+
+    def _launch(self, config: Configuration, run_id: str, variant: str) -> None:
+        _launcher.launch(configuration_worker, world_size=config.world_size,
+                         args=(self.setup, config, self.steps, self.root, run_id, self.facts["digest"], variant),
+                         timeout=config.timeout or self.timeout,
+                         on_record=self.on_record if variant == "run" else None)
+
+    def configuration(self, index: int, config: Configuration) -> None:
+        """Run ``config`` as given, then (where it needs them) its twin and its float64 run."""
+        if self.stopped:
+            self.statuses[config.label] = ("not run", None)
+            return
+        reason = _unavailable(config)
+        if reason is not None:
+            self.statuses[config.label] = ("unavailable", RuntimeError(reason))
+            return
+        try:
+            self._launch(config, f"config{index}", "run")
+            self.statuses[config.label] = ("completed", None)
+        except _launcher.LaunchStopped as err:
+            self.stopped = True
+            self.statuses[config.label] = ("stopped", err)
+        except _launcher.LaunchTimeout as err:
+            self.statuses[config.label] = ("hung", err)
+        except _launcher.LaunchError as err:
+            self.statuses[config.label] = ("crashed", err)
+        if self.statuses[config.label][0] != "completed" or not own_evidence(self.setup, config):
+            return
+        for variant in ("twin", "float64"):
+            try:
+                self._launch(config, f"config{index}-{variant}", variant)
+                self.variants[(config.label, variant)] = None
+            except _launcher.LaunchStopped:
+                self.stopped = True
+                return
+            except _launcher.LaunchError as err:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                self.variants[(config.label, variant)] = f"the {variant} run failed: {first[:300]}"
+
+    def _precision(self, index: int, config: Configuration) -> tuple:
+        """The precision ``config``'s band is measured in: declared, or shown by its modules' outputs."""
+        low = _detected_precision(config, [_captures(self.root, f"config{index}", 1, 0)], self.facts["dtype"])
+        return (low, None) if low is not None else config.dtypes()
+
+    def detected_references(self) -> None:
+        """A reference in each compute precision a configuration showed without declaring it."""
+        extra: dict = {}
+        for index, config in enumerate(self.configs):
+            if self.statuses[config.label][0] in ("not run", "unavailable"):
+                continue
+            low, _ = self._precision(index, config)
+            if low is None or config.dtypes() != (None, None) or low in extra:
+                continue
+            if not any(r.param_dtype == low and r.reduce_dtype is None and r.world_size == 1 for r in self.runs):
+                name = str(low).replace("torch.", "")
+                extra[low] = RunSpec(f"reference {name}", f"ref{len(self.runs) + len(extra)}", param_dtype=low)
+        if extra and not self.stopped:
+            self.references(list(extra.values()))
+            self.runs += list(extra.values())
+
+    def analyse(self, index: int, config: Configuration, caps: dict, batches: list) -> list[dict]:
+        """Every record of ``config``: the band, the audits, the replay, the promise, the twin, float64."""
+        status, error = self.statuses[config.label]
+        records, done = [], 0
+        if status not in ("not run", "unavailable"):
+            band = _band_run(config, self.runs, self._precision(index, config))
+            recs, ranks = _config_records(self.root, config, f"config{index}", self.steps, caps, band,
+                                          self.facts["dtype"])
+            records += recs
+            done = len(ranks[0])
+            records += _reduction_records(config, ranks)
+            records += _replay.replay_records(self.setup, config, ranks, batches)
+            promise = caps.get(_promise_id(self.runs, config))
+            # A model whose modules issue collectives (SyncBatchNorm) promises something else
+            # than every rank's share on its own: the float64 promise does not describe it.
+            if promise is not None and _replay.unavailable(self.setup, config) is None:
+                records += _replay.semantic_records(self.setup, config, promise, caps)
+            records += _localization.localize(self.setup, config, caps, ranks, recs)
+            records += self._own_evidence(index, config, caps)
+        records.append(_status_record(config, status, done, error,
+                                      no_replay=_replay.unavailable(self.setup, config),
+                                      random=self.facts["random"] or None,
+                                      compression=_compression(config),
+                                      approximation=config.approximates()))
+        return records
+
+    def _own_evidence(self, index: int, config: Configuration, caps: dict) -> list[dict]:
+        out = []
+        for variant in ("twin", "float64"):
+            if (config.label, variant) not in self.variants:
+                continue
+            failed = self.variants[(config.label, variant)]
+            if failed is not None:
+                out.append(_unavailable_record(config, variant, failed))
+                continue
+            run_id = f"config{index}-{variant}"
+            ranks = [_captures(self.root, run_id, self.steps, r) for r in range(config.world_size)]
+            if variant == "twin":
+                out += _twin.twin_records(config.label, ranks)
+            else:
+                out += _float64_records(self.setup, config, ranks[0], caps)
+        return out
 
 
 def run(setup: Setup, configurations, *, steps: int | None = None, timeout: float = DEFAULT_TIMEOUT,
@@ -280,14 +458,14 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
         >>> from ddplab import compare
         >>> result = compare.run(compare.examples.digits_setup(), [compare.DDP(2), compare.Accumulate(2, k=2)])
         >>> result.kinds
-        {'ddp W=2': 'rounding', 'accumulate W=2 k=2': 'rounding'}
+        {'ddp W=2': 'exact', 'accumulate W=2 k=2': 'exact'}
     """
     t0 = time.perf_counter()
     configs = check_configurations(configurations)
     if not (isinstance(progress, bool) or callable(progress)):
         raise ValueError(f"progress must be True, False or a callable (config, step, steps), got {progress!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
     steps = facts["steps"]
     runs = reference_runs(configs, promises=not facts["random"])
@@ -299,76 +477,23 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
         streamed.append(rec)
         bars(rec)
 
-    errors: dict[str, BaseException] = {}
-    statuses: dict[str, tuple[str, BaseException | None]] = {}
-    stopped = False
     try:
         with tempfile.TemporaryDirectory(prefix="ddplab-compare-") as root:
-            try:
-                _launcher.launch(reference_worker, world_size=1,
-                                 args=(setup, runs, steps, root, facts["digest"]),
-                                 timeout=timeout, on_record=on_record)
-            except _launcher.LaunchStopped:
-                stopped = True
-            except _launcher.RankFailed as err:
-                if err.exc_type == "SetupError":
-                    raise SetupError(str(err).splitlines()[0].split("SetupError: ", 1)[-1]) from err
-                raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
-                                      f"compare with:\n{err}") from err
-            except _launcher.LaunchError as err:
-                raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
-                                      f"compare with:\n{err}") from err
+            session = _Session(setup, configs, facts, runs, root, timeout, on_record)
+            session.references(runs)
             for index, config in enumerate(configs):
-                run_id = f"config{index}"
-                if stopped:
-                    statuses[config.label] = ("not run", None)
-                    continue
-                reason = _unavailable(config)
-                if reason is not None:
-                    statuses[config.label] = ("unavailable", RuntimeError(reason))
-                    continue
-                try:
-                    _launcher.launch(configuration_worker, world_size=config.world_size,
-                                     args=(setup, config, steps, root, run_id, facts["digest"]),
-                                     timeout=config.timeout or timeout, on_record=on_record)
-                    statuses[config.label] = ("completed", None)
-                except _launcher.LaunchStopped as err:
-                    stopped = True
-                    statuses[config.label] = ("stopped", err)
-                except _launcher.LaunchTimeout as err:
-                    statuses[config.label] = ("hung", err)
-                except _launcher.LaunchError as err:
-                    statuses[config.label] = ("crashed", err)
+                session.configuration(index, config)
+            session.detected_references()
             records = list(streamed)
-            ref_recs, caps = _reference_records(root, runs, steps, facts["dtype"])
+            ref_recs, caps = _reference_records(root, session.runs, steps, facts["dtype"])
             records += ref_recs
             for index, config in enumerate(configs):
-                status, error = statuses[config.label]
-                if error is not None:
-                    errors[config.label] = error
-                done = 0
-                if status not in ("not run", "unavailable"):
-                    band = _band_run(config, runs)
-                    recs, ranks = _config_records(root, config, f"config{index}", steps, caps, band,
-                                                  facts["dtype"])
-                    records += recs
-                    done = len(ranks[0])
-                    records += _reduction_records(config, ranks)
-                    records += _replay.replay_records(setup, config, ranks, batches)
-                    promise = caps.get(_promise_id(runs, config))
-                    # A model whose modules issue collectives (SyncBatchNorm) promises something else
-                    # than every rank's share on its own: the float64 promise does not describe it.
-                    if promise is not None and _replay.unavailable(setup, config) is None:
-                        records += _replay.semantic_records(setup, config, promise, caps)
-                    records += _localization.localize(setup, config, caps, ranks, recs)
-                records.append(_status_record(config, status, done, error,
-                                              no_replay=_replay.unavailable(setup, config),
-                                              random=facts["random"] or None,
-                                              compression=_compression(config)))
+                records += session.analyse(index, config, caps, batches)
     finally:
         bars.close()
+    errors = {label: error for label, (_, error) in session.statuses.items() if error is not None}
     frame = _records.to_frame(records)
     verdicts = {c.label: judge(frame, c.label, error=errors.get(c.label)) for c in configs}
-    return Comparison(setup_name=setup.name, steps=steps, configurations=configs, runs=runs,
-                      records=frame, verdicts=verdicts, errors=errors, stopped=stopped,
+    return Comparison(setup_name=setup.name, steps=steps, configurations=configs, runs=session.runs,
+                      records=frame, verdicts=verdicts, errors=errors, stopped=session.stopped,
                       wall_time=time.perf_counter() - t0)

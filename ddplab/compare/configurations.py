@@ -44,7 +44,13 @@ class Configuration:
     ``timeout`` (seconds) overrides the comparison's per-launch timeout for
     this configuration: past it, the configuration counts as hung.
 
-    :meth:`precision` says in which dtype the forward and backward passes
+    ``approximation`` declares a lossy step the user chose (e.g.
+    ``"PowerSGD rank 1"``): its difference from one process is then an
+    approximation, never rounding, and a bug only on evidence that proves one
+    (ranks that disagree, asymmetry, a collective that differs from its
+    emulation). torch's PowerSGD hooks are recognized without it.
+
+    :meth:`dtypes` says in which dtype the forward and backward passes
     compute when it differs from the model's (mixed precision); the referee
     then measures the rounding band with a single-process reference that
     computes in that dtype too.
@@ -54,10 +60,11 @@ class Configuration:
     k: int = 1
     name: str | None = None
     timeout: float | None = None
+    approximation: str | None = None
 
     kind = "configuration"
 
-    def precision(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+    def dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """``(param_dtype, reduce_dtype)`` of a mixed-precision configuration; None: the model's dtype."""
         return None, None
 
@@ -82,12 +89,21 @@ class Configuration:
         if self.timeout is not None and (isinstance(self.timeout, bool) or
                                          not isinstance(self.timeout, (int, float)) or self.timeout <= 0):
             raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        if self.approximation is not None and (not isinstance(self.approximation, str) or
+                                               not self.approximation.strip()):
+            raise ValueError(f"approximation must be a non-empty description (e.g. 'PowerSGD rank 1') or None, "
+                             f"got {self.approximation!r}")
+
+    def approximates(self) -> str | None:
+        """The lossy step this configuration takes, declared or recognized; None when it takes none."""
+        return self.approximation
 
     def describe(self) -> dict:
         """The configuration as plain data (for records, reports and the case's parameters)."""
-        param_dtype, reduce_dtype = self.precision()
+        param_dtype, reduce_dtype = self.dtypes()
         return dict(config=self.label, kind=self.kind, world_size=self.world_size, k=self.k,
-                    param_dtype=_dtype_name(param_dtype), reduce_dtype=_dtype_name(reduce_dtype))
+                    param_dtype=_dtype_name(param_dtype), reduce_dtype=_dtype_name(reduce_dtype),
+                    approximation=self.approximates())
 
 
 @dataclasses.dataclass
@@ -126,6 +142,14 @@ class DDP(Configuration):
         if self.sync_batchnorm:
             name += " sync_batchnorm"
         return name
+
+    def approximates(self) -> str | None:
+        if self.approximation is not None or self.comm_hook is None:
+            return self.approximation
+        name = getattr(self.comm_hook, "__name__", "")
+        if getattr(self.comm_hook, "__module__", "").endswith("powerSGD_hook") or "powerSGD" in name:
+            return f"PowerSGD ({name})"  # a low-rank approximation of the gradient, by design
+        return None
 
     def describe(self) -> dict:
         out = super().describe()
@@ -205,13 +229,13 @@ class FSDP2(Configuration):
 
     kind = "fsdp2"
 
-    def precision(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+    def dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         # FSDP2 reduces in param_dtype unless reduce_dtype says otherwise.
         return self.param_dtype, self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
 
     def _default_name(self) -> str:
         name = super()._default_name()
-        param_dtype, reduce_dtype = self.precision()
+        param_dtype, reduce_dtype = self.dtypes()
         if param_dtype is not None:
             name += f" {_dtype_name(param_dtype)}"
             if reduce_dtype != param_dtype:
@@ -275,13 +299,23 @@ class Custom(Configuration):
     ``"ddp"``: ``DistributedDataParallel(model)``; None: the bare model, for
     steps that synchronize by hand). ``k`` is how many micro-batches per rank
     the step uses (it sets ``ctx.micro_batches`` and the pieces findings are
-    stated in).
+    stated in). ``precision`` declares the dtype the step computes in
+    (``torch.bfloat16`` for a step under ``autocast(bfloat16)``): the
+    reference then computes in it too. Undeclared, a step whose modules
+    return a lower-precision dtype is measured against such a reference all
+    the same.
     """
 
     train_step: Callable[[StepContext], Any] | None = None
     wrap: Callable | str | None = "ddp"
+    precision: torch.dtype | None = None
 
     kind = "custom"
+
+    def dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        # A step that computes in a lower precision (autocast) is measured against a reference
+        # computing in it too; its gradients stay in the model's dtype.
+        return self.precision, None
 
     def _default_name(self) -> str:
         fn = getattr(self.train_step, "__name__", "custom")
@@ -293,6 +327,9 @@ class Custom(Configuration):
             raise ValueError("Custom needs train_step, a callable taking a StepContext")
         if not (self.wrap is None or self.wrap == "ddp" or callable(self.wrap)):
             raise ValueError(f"wrap must be 'ddp', None or a callable model -> model, got {self.wrap!r}")
+        value = self.precision
+        if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+            raise ValueError(f"precision must be a floating torch.dtype or None, got {value!r}")
 
 
 def check_configurations(configurations) -> list[Configuration]:

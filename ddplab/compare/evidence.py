@@ -297,6 +297,162 @@ def _proves_semantic(finding: Finding, ctx: Context) -> Decision | None:
                              "{max_semantic_distance} (tolerance {semantic_tolerance}); {semantic_text}"))
 
 
+# --------------------------------------------------------------------------- the symmetric twin
+
+
+def _read_twin(ctx: Context) -> Finding | None:
+    """Every rank, given rank 0's data and RNG state, computes bitwise what rank 0 computes."""
+    from ddplab.compare.twin import first_asymmetry
+
+    found = rows(ctx.frame, "twin_differing", ctx.config)
+    unavailable = rows(ctx.frame, "evidence_unavailable", ctx.config)
+    unavailable = unavailable[unavailable["evidence"] == "twin"] if not unavailable.empty else unavailable
+    claim = "Given the same data and RNG state, every rank computes bitwise what rank 0 computes"
+    if found.empty:
+        if unavailable.empty:
+            return None
+        return Finding(key="twin", claim=claim, holds=None, template="not run: {reason}",
+                       values=dict(reason=str(unavailable.iloc[0]["reason"])))
+    first = first_asymmetry(ctx.frame, ctx.config)
+    values = dict(compared=int(len(found)), steps=int(found["step"].nunique()),
+                  quantities=sorted({str(q) for q in found["quantity"]}))
+    if first is not None:
+        values.update({f"twin_{key}": value for key, value in first.items()})
+    return Finding(key="twin", claim=claim, holds=first is None,
+                   template="{compared} comparisons with rank 0 over {steps} step(s): {quantities}",
+                   values=values)
+
+
+_TWIN_WHAT = {"forward": "its forward output of module {twin_module}",
+              "collective": "its input to collective {twin_param}",
+              "grad": "its gradient of {twin_param} at optimizer.step()",
+              "param": "its {twin_param} after the update"}
+
+
+def _proves_twin(finding: Finding, ctx: Context) -> Decision | None:
+    if finding.holds is not False:
+        return None
+    tv = dict(finding.values)
+    what = _TWIN_WHAT[tv["twin_quantity"]].format(**tv)
+    size = (f" in {tv['twin_differing']} element(s), up to {tv['twin_max_ulp']:g} ulp"
+            if tv["twin_quantity"] != "forward" and tv["twin_max_ulp"] == tv["twin_max_ulp"] else "")
+    tv.update(twin_what=what + size, first_rank=tv["twin_rank"],
+              first_param=tv["twin_module"] or tv["twin_param"])
+    return Decision("bug", "twin", finding="asymmetry", first_divergence=tv["twin_step"], values=tv,
+                    summary=("bug: the computation depends on the rank: given rank 0's data and RNG state, "
+                             "rank {twin_rank} computes at step {twin_step} {twin_what} bitwise other "
+                             "than rank 0's"))
+
+
+# --------------------------------------------------------------------------- the user's own code in float64
+
+
+def _read_float64(ctx: Context) -> Finding | None:
+    """The configuration's own step, wrap and hooks, run in float64, against the float64 truth."""
+    found = rows(ctx.frame, "float64_distance", ctx.config)
+    unavailable = rows(ctx.frame, "evidence_unavailable", ctx.config)
+    unavailable = unavailable[unavailable["evidence"] == "float64"] if not unavailable.empty else unavailable
+    claim = "Run in float64, the configuration's own code is one process's computation"
+    if found.empty:
+        if unavailable.empty:
+            return None
+        return Finding(key="float64", claim=claim, holds=None, template="not run: {reason}",
+                       values=dict(reason=str(unavailable.iloc[0]["reason"])))
+    diff = rows(ctx.frame, "float64_difference", ctx.config)
+    values = dict(max_float64_distance=float(found["value"].max()),
+                  float64_tolerance=float(found.iloc[0]["tolerance"]),
+                  judged_at=str(label(found.iloc[0], "judged_at", "float64")),
+                  float64_step=-1, float64_kind="none", float64_factor=math.nan, float64_factor_name="",
+                  float64_missing=[])
+    if not diff.empty:
+        d = diff.iloc[0]
+        missing = label(d, "missing", "")
+        values.update(float64_step=int(d["step"]), float64_kind=str(d["kind"]),
+                      float64_factor=float(label(d, "factor", math.nan)),
+                      float64_factor_name=str(label(d, "factor_name", "") or ""),
+                      float64_missing=[int(j) for j in str(missing).split(",")] if missing not in (None, "") else [])
+    return Finding(key="float64", claim=claim, holds=diff.empty,
+                   template=("largest distance of the float64 run from the truth {max_float64_distance} "
+                             "(tolerance {float64_tolerance}, judged at {judged_at})"),
+                   values=values)
+
+
+def _proves_float64(finding: Finding, ctx: Context) -> Decision | None:
+    if finding.holds is not False or ctx.fact("approximation"):
+        return None  # a declared approximation differs in float64 too, by design
+    fv = finding.values
+    kind = fv["float64_kind"] if fv["float64_kind"] in ("factor", "missing_contribution") else "semantic"
+    text = _semantic_text(dict(kind=fv["float64_kind"], factor=fv["float64_factor"],
+                               factor_name=fv["float64_factor_name"], missing=fv["float64_missing"]),
+                          ctx.world, ctx.k)
+    values = dict(fv, float64_text=text, first_rank=-1, first_param=_referee.MODEL)
+    return Decision("bug", "float64", finding=kind, first_divergence=fv["float64_step"], values=values,
+                    summary=("bug: your code, run in float64, is not one process's computation: from step "
+                             "{float64_step} it differs from the float64 truth by {max_float64_distance} "
+                             "(tolerance {float64_tolerance}, judged at {judged_at}); {float64_text}"))
+
+
+def _own_evidence_text(ctx: Context) -> str:
+    """What the twin and the recorded collectives established, as one clause."""
+    parts = []
+    twin = ctx.findings.get("twin")
+    if twin is not None and twin.holds:
+        parts.append("every rank computes bitwise alike on the same data (the symmetric twin)")
+    collectives = ctx.findings.get("collectives")
+    if collectives is not None and collectives.holds:
+        parts.append("every collective equals its emulation bit for bit")
+    return ("; " + " and ".join(parts)) if parts else ""
+
+
+def _clears_float64(ctx: Context) -> Decision | None:
+    """Rounding, earned: in float64 the user's code is one process's computation, so what remains
+    in the model's precision is rounding -- unless the band says it is orders of magnitude beyond."""
+    f64 = ctx.findings.get("float64")
+    if f64 is None or f64.holds is not True:
+        return None
+    band = ctx.findings["within_band"].values
+    values = dict(f64.values, own_evidence_text=_own_evidence_text(ctx))
+    if band["classification"] == "bug":
+        return Decision("undetermined", "float64", values=values, summary=(
+            "undetermined: in float64 your code is one process's computation (within "
+            "{float64_tolerance}), yet in its own precision it lies {max_deviation} × the band from the "
+            "truth, beyond every correct run measured: a difference that only the lower precision shows"
+            "{own_evidence_text}"))
+    return Decision("rounding", "float64", values=values, summary=(
+        "rounding: in float64 your code is one process's computation (largest distance "
+        "{max_float64_distance}, tolerance {float64_tolerance}, judged at {judged_at}){own_evidence_text}; "
+        "in its own precision it lies {max_deviation} × the reference's own rounding distance"))
+
+
+# --------------------------------------------------------------------------- declared approximations
+
+
+def _read_approximation(ctx: Context) -> Finding | None:
+    declared = str(ctx.fact("approximation", "") or "")
+    if not declared:
+        return None
+    return Finding(key="approximation", claim="The configuration takes a lossy step the user chose: {approximation}",
+                   holds=True, template="declared or recognized: {approximation}",
+                   values=dict(approximation=declared))
+
+
+def _clears_approximation(ctx: Context) -> Decision | None:
+    finding = ctx.findings.get("approximation")
+    if finding is None:
+        return None
+    twin, collectives, f64 = (ctx.findings.get(name) for name in ("twin", "collectives", "float64"))
+    values = dict(finding.values,
+                  approximation_relative=f64.values["max_float64_distance"] if f64 is not None and
+                  f64.holds is not None else math.nan,
+                  symmetric={True: "yes", False: "no", None: "not checked"}[twin.holds if twin else None],
+                  collectives_exact={True: "yes", False: "no", None: "not recorded"}[
+                      collectives.holds if collectives else None])
+    return Decision("approximation", "approximation", values=values, summary=(
+        "approximation: {approximation}, as declared: {max_deviation} × the reference's own rounding "
+        "distance, {approximation_relative} relative in float64; the ranks computed symmetrically: "
+        "{symmetric}; collectives exact: {collectives_exact}"))
+
+
 # --------------------------------------------------------------------------- the tolerance band
 
 
@@ -434,15 +590,32 @@ EVIDENCE: tuple[Evidence, ...] = (
         ("exact", "every rank equals the replay bit for bit at every step, and in float64 the promise is one "
                   "process's computation: the difference from one process is provably the batch split's "
                   "rounding (its size is still in the band figures)"))),
+    Evidence("twin", _read_twin, proves=_proves_twin, verdicts=(
+        ("bug", "the symmetric twin: the configuration run again with every rank given rank 0's share and "
+                "the same RNG state; a rank whose forward output, collective input, gradient or update "
+                "differs from rank 0's in any bit computes something that depends on its rank (step, rank, "
+                "what, module)"),)),
     Evidence("semantic", _read_semantic, proves=_proves_semantic, verdicts=(
         ("bug", "the replay is exact, but what the configuration promises, run in float64, differs from one "
                 "process's float64 truth beyond 1e-9 relative (float64 rounding is ~1e-16): the finding "
                 "names the kind (`factor`, `missing_contribution`, or another computation: `semantic`)"),)),
+    Evidence("approximation", _read_approximation, clears=_clears_approximation, verdicts=(
+        ("approximation", "a lossy step the configuration declares (`approximation=\"PowerSGD rank 1\"`) or "
+                          "that ddplab recognizes (torch's PowerSGD hooks), with no evidence of a bug: its "
+                          "size (× the band, relative in float64), whether the ranks computed symmetrically "
+                          "and whether its collectives were exact; never rounding"),)),
+    Evidence("float64", _read_float64, proves=_proves_float64, clears=_clears_float64, verdicts=(
+        ("bug", "your own step, wrap and hooks, run on W ranks with model and data in float64, differ from "
+                "the float64 truth beyond 1e-9 relative -- or, where the step still computes in a lower "
+                "precision (a compression hook, a bf16 collective), beyond 4·(W+1)·u of that precision: "
+                "the finding names the kind (`factor`, `missing_contribution`, `semantic`)"),
+        ("rounding", "no replay exists, and in float64 your code is one process's computation: what "
+                     "remains in its own precision is rounding (the band's figure is reported; beyond "
+                     "10 000× it the verdict is undetermined)"))),
     Evidence("tolerance", lambda ctx: ctx.findings.get("within_band"), clears=_clears_tolerance, verdicts=(
-        ("rounding", "nothing above decided (a `Custom` step, a model whose modules issue collectives such "
-                     "as SyncBatchNorm, FSDP2's backward, a comm hook ddplab cannot emulate; the summary "
-                     "says which) and every step lies within 100× the reference's own rounding distance "
-                     "from the float64 truth"),
+        ("rounding", "nothing above decided (no replay, and the twin or the float64 run could not run: "
+                     "the summary says why) and every step lies within 100× the reference's own rounding "
+                     "distance from the float64 truth"),
         ("bug / undetermined", "by tolerance alone: ≥ 10 000× the band, or in between the margins (or no "
                                "band to judge by)"))),
 )

@@ -50,7 +50,9 @@ __all__ = ["MODELS", "BATCHNORM_MODELS", "OPTIMIZERS", "Example", "Expected", "d
            "planted_example", "PLANTED", "SETUP_BUGS", "summed_loss_setup", "batchnorm_setup",
            "planted_configurations", "sync_batchnorm", "compression", "compression_configurations",
            "sync_batchnorm_configurations", "accumulate_correctly", "accumulate_without_division",
-           "zero_grad_in_loop", "average_by_hand_skipping_own", "no_allreduce"]
+           "zero_grad_in_loop", "average_by_hand_skipping_own", "no_allreduce",
+           "accumulate_with_sync_every_micro_batch", "average_by_hand", "autocast_bfloat16", "ddp_with_own_hook", "own_fp16_hook", "own_bf16_hook",
+           "plain_step", "correct_custom_steps"]
 
 #: Networks :func:`digits_setup` builds whose every built-in configuration is correct.
 MODELS = ("mlp", "deep", "cnn")
@@ -139,6 +141,95 @@ def accumulate_correctly(ctx: StepContext):
         total += loss.item()
     ctx.optimizer.step()
     return total
+
+
+def accumulate_with_sync_every_micro_batch(ctx: StepContext):
+    """Correct, if slower: accumulation without ``no_sync``, so DDP all-reduces after every micro-batch."""
+    ctx.optimizer.zero_grad()
+    total = 0.0
+    for micro in ctx.micro_batches:
+        loss = ctx.forward_loss(micro) / ctx.k
+        loss.backward()
+        total += loss.item()
+    ctx.optimizer.step()
+    return total
+
+
+def average_by_hand(ctx: StepContext):
+    """Correct: the bare model (``wrap=None``), each gradient all-reduced by hand and divided by W."""
+    ctx.optimizer.zero_grad()
+    loss = ctx.forward_loss(ctx.shard)
+    loss.backward()
+    for p in ctx.model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad.div_(ctx.world_size)
+    ctx.optimizer.step()
+    return loss.item()
+
+
+def autocast_bfloat16(ctx: StepContext):
+    """Correct: the forward pass under ``torch.autocast("cpu", dtype=torch.bfloat16)``."""
+    ctx.optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ctx.forward_loss(ctx.shard)
+    loss.backward()
+    ctx.optimizer.step()
+    return loss.item()
+
+
+def _compress(dtype, bucket):
+    """A hand-written compression hook, as users write it: cast, divide, all-reduce, cast back."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(dtype).div_(dist.get_world_size())
+    work = dist.all_reduce(compressed, async_op=True)
+
+    def decompress(fut):
+        out = bucket.buffer()
+        out.copy_(fut.value()[0])
+        return out
+
+    return work.get_future().then(decompress)
+
+
+def own_fp16_hook(state, bucket):
+    """The user's own float16 compression hook."""
+    return _compress(torch.float16, bucket)
+
+
+def own_bf16_hook(state, bucket):
+    """The user's own bfloat16 compression hook."""
+    return _compress(torch.bfloat16, bucket)
+
+
+def ddp_with_own_hook(hook, model: nn.Module) -> nn.Module:
+    """``wrap`` for a Custom step: DDP with the user's own comm hook registered."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def plain_step(ctx: StepContext):
+    """One forward and backward on the rank's share, one optimizer step (whatever the wrap reduces)."""
+    ctx.optimizer.zero_grad()
+    loss = ctx.forward_loss(ctx.shard)
+    loss.backward()
+    ctx.optimizer.step()
+    return loss.item()
+
+
+def correct_custom_steps(world_size: int = 2) -> list[Configuration]:
+    """Custom steps written the ways users write correct ones: each must read rounding, exact or
+    approximation, never bug."""
+    return [Custom(world_size, k=2, train_step=accumulate_correctly),
+            Custom(world_size, k=2, train_step=accumulate_with_sync_every_micro_batch),
+            Custom(world_size, train_step=average_by_hand, wrap=None),
+            Custom(world_size, train_step=autocast_bfloat16),
+            Custom(world_size, train_step=plain_step, wrap=functools.partial(ddp_with_own_hook, own_fp16_hook),
+                   name=f"own fp16 hook W={world_size}"),
+            Custom(world_size, train_step=plain_step, wrap=functools.partial(ddp_with_own_hook, own_bf16_hook),
+                   name=f"own bf16 hook W={world_size}")]
 
 
 def accumulate_without_division(ctx: StepContext):

@@ -24,6 +24,7 @@ rank 1, and ``optimizer`` changes rank 1's learning rate (its shard's update).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -31,12 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddplab.compare.configurations import DDP, FSDP2, Accumulate, Configuration
+from ddplab.compare.configurations import DDP, FSDP2, Accumulate, Configuration, Custom
 from ddplab.compare.examples import _build, _optimizer, digits_setup
 from ddplab.compare.replay import register_reduction, reduction_emulation
 from ddplab.compare.setup import Setup
 
-__all__ = ["KINDS", "FSDP_KINDS", "MAGNITUDES", "PlantedFault", "plant"]
+__all__ = ["KINDS", "FSDP_KINDS", "CUSTOM_KINDS", "MAGNITUDES", "PlantedFault", "plant", "plant_custom",
+           "faulty_step"]
 
 KINDS = ("local_gradient", "reduced_gradient", "optimizer", "skipped_micro_batch",
          "duplicated_micro_batch", "low_precision_bucket")
@@ -173,4 +175,75 @@ def plant(kind: str, magnitude=1e-6, *, seed: int = 0, steps: int = 3, world_siz
     elif kind == "low_precision_bucket":
         config = DDP(world_size, comm_hook=bf16_bucket_hook)
         phase, rank = "reduction", 0  # every rank reduces the rounded buckets: rank 0 is the first
+    return PlantedFault(kind, magnitude, setup, config, step=0, rank=rank, phase=phase)
+
+
+# --------------------------------------------------------------------------- faults in the user's own step
+
+#: Faults written inside a Custom step, the way users write training loops: on rank 1 only, except
+#: the ``every_rank_*`` ones, which every rank commits alike (only the float64 run can see those).
+CUSTOM_KINDS = ("loss_term", "local_gradient", "skipped_micro_batch", "duplicated_micro_batch",
+                "wrong_divide", "optimizer", "every_rank_scale", "every_rank_factor")
+
+
+def _scaled(value: torch.Tensor, magnitude) -> torch.Tensor:
+    """``value`` times ``1 + magnitude``; "ulp": times the next number after 1 (1 + eps of its dtype),
+    so that what flows back from it is scaled too (a one-ulp shift of a loss's value changes no gradient)."""
+    if magnitude == "ulp":
+        return value * (1 + torch.finfo(value.dtype).eps)
+    return value * (1 + magnitude)
+
+
+def faulty_step(ctx, kind: str, magnitude, rank: int):
+    """One accumulation step (k micro-batches, each loss / k) with fault ``kind`` planted in it."""
+    mine = ctx.rank == rank
+    ctx.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for m, micro in enumerate(ctx.micro_batches):
+        sync = m == ctx.k - 1
+        with (ctx.model.no_sync() if not sync and hasattr(ctx.model, "no_sync") else contextlib.nullcontext()):
+            loss = ctx.forward_loss(micro)
+            divisor = ctx.k
+            if kind == "loss_term" and mine:
+                loss = _scaled(loss, magnitude)              # an extra term on one rank
+            elif kind == "wrong_divide" and mine:
+                loss = _scaled(loss, magnitude)               # divides by k·(1+m) on one rank
+            elif kind in ("skipped_micro_batch", "duplicated_micro_batch") and mine and m == 0:
+                weight = 0.0 if kind == "skipped_micro_batch" else 2.0
+                loss = loss * weight if magnitude is None else _scaled(loss, magnitude)
+            elif kind == "every_rank_factor":
+                loss = loss * ctx.world_size                  # a factor every rank applies
+            (loss / divisor).backward()
+        total += float(loss.detach())
+    if kind == "every_rank_scale":                     # every rank rescales one layer's gradient
+        layer = getattr(getattr(ctx.model, "module", ctx.model), LAYER)
+        layer.weight.grad.copy_(_scaled(layer.weight.grad, magnitude))
+    ctx.apply_before_step()
+    if kind == "optimizer" and mine:
+        for group in ctx.optimizer.param_groups:
+            group["lr"] = float(_scaled(torch.tensor(group["lr"], dtype=torch.float32), magnitude))
+    ctx.optimizer.step()
+    return total / ctx.k
+
+
+def plant_custom(kind: str, magnitude=1e-6, *, seed: int = 0, steps: int = 3, world_size: int = 2,
+                 rank: int = 1) -> PlantedFault:
+    """The digits setup trained by a Custom step (DDP-wrapped, k=2) with fault ``kind`` of ``magnitude``.
+
+    ``magnitude`` None plants the size-less version (a micro-batch skipped or counted twice). Where it
+    must be found: ``phase`` names the evidence expected to decide (``twin`` for faults on one rank,
+    ``float64`` for faults every rank commits, ``replicas`` where the ranks end up apart).
+    """
+    if kind not in CUSTOM_KINDS:
+        raise ValueError(f"unknown Custom-step fault {kind!r}; known: {', '.join(CUSTOM_KINDS)}")
+    if not (magnitude is None or magnitude == "ulp" or isinstance(magnitude, (int, float)) and magnitude > 0):
+        raise ValueError(f"magnitude must be a positive number, 'ulp' or None, got {magnitude!r}")
+    setup = digits_setup(seed, steps=steps)
+    if kind == "local_gradient":
+        setup = dataclasses.replace(setup, model=functools.partial(_model_with_grad_fault, seed, magnitude, rank))
+    step = functools.partial(faulty_step, kind=kind, magnitude=magnitude, rank=rank)
+    functools.update_wrapper(step, faulty_step)
+    step.__name__ = f"{kind}_step"
+    config = Custom(world_size, k=2, train_step=step)
+    phase = {"optimizer": "replicas", "every_rank_scale": "float64", "every_rank_factor": "float64"}.get(kind, "twin")
     return PlantedFault(kind, magnitude, setup, config, step=0, rank=rank, phase=phase)

@@ -54,7 +54,7 @@ from ddplab.compare.setup import Setup, apply_before_step, cast_batch, forward_l
 from ddplab.records import record
 
 __all__ = ["PHASES", "register_reduction", "reduction_emulation", "unavailable", "replay_records",
-           "compare_bits", "first_difference"]
+           "compare_bits", "first_difference", "semantic_records"]
 
 #: Where a difference from the replay happens, in the order a step runs.
 PHASES = ("local_gradient", "reduction", "update")
@@ -205,7 +205,7 @@ def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: l
 def _local_fsdp(setup: Setup, config: FSDP2, model: torch.nn.Module, micro: list, cap: dict):
     """FSDP2's compute: the full parameters cast to ``param_dtype``, inputs cast, one backward;
     the gradient of each cast parameter is what FSDP2 reduce-scatters (in its ``reduce_dtype``)."""
-    param_dtype, _ = config.precision()
+    param_dtype, _ = config.dtypes()
     named = named_trainable(model)
     low = {n: p.detach().to(param_dtype or p.dtype).requires_grad_() for n, p in named}
     digests = ForwardDigests(model)
@@ -407,47 +407,13 @@ def first_difference(frame, config: str) -> dict | None:
 
 # --------------------------------------------------------------------------- the semantic question
 
-#: Relative distance of the float64 promise from the float64 truth beyond which the promise is not
-#: one process's computation: ~1e7 × float64's unit roundoff (1.1e-16), where float64 rounding
-#: stayed below 1e-13 on correct runs (``tests/test_compare_replay.py``), and 1/60 of float32's unit
-#: roundoff, so no float32 rounding reaches it while a summed loss, per-rank statistics or local
-#: negatives stand 1e-4 and more above one process.
-SEMANTIC_TOLERANCE = 1e-9
-
 
 def semantic_records(setup: Setup, config: Configuration, promise: list[dict], caps: dict) -> list[dict]:
     """Does the data-parallel promise (the float64 run ``promise``: W ranks' shares, k micro-batches,
     the mean over ranks) equal one process (the float64 truth)? Per step, quantity and parameter:
     ``semantic_distance`` = ‖promise − truth‖ / ‖truth‖; at the first step beyond
-    :data:`SEMANTIC_TOLERANCE`, ``semantic_difference`` with the kind the piece fit names."""
-    from ddplab.compare.localization import semantic_fit
+    :data:`~ddplab.compare.float64_run.SEMANTIC_TOLERANCE`, ``semantic_difference`` with the kind
+    the piece fit names."""
+    from ddplab.compare.float64_run import SEMANTIC_TOLERANCE, distance_records
 
-    truth = caps["truth"]
-    labels = dict(config=config.label)
-    out, first = [], None
-    for step in range(min(len(truth), len(promise))):
-        for quantity in ("grad", "param"):
-            t, p = truth[step][quantity + "s"], promise[step][quantity + "s"]
-            names = [n for n in t if n in p]
-            worst = 0.0
-            for name in names + ["(model)"]:
-                if name == "(model)":
-                    a = torch.cat([t[n].reshape(-1) for n in names])
-                    b = torch.cat([p[n].reshape(-1) for n in names])
-                else:
-                    a, b = t[name].reshape(-1), p[name].reshape(-1)
-                scale = float(torch.linalg.vector_norm(a))
-                diff = float(torch.linalg.vector_norm(a - b))
-                d = 0.0 if diff == 0 else (diff / scale if scale > 0 else math.inf)
-                out.append(record("semantic_distance", d, step=step, quantity=quantity, param=name,
-                                  tolerance=SEMANTIC_TOLERANCE, **labels))
-                worst = max(worst, d)
-            if worst > SEMANTIC_TOLERANCE and first is None:
-                first = (step, quantity, worst)
-    if first is not None:
-        step, quantity, worst = first
-        fit = semantic_fit(setup, config, step, promise[step]["grads"], caps)
-        out.append(record("semantic_difference", worst, step=step, quantity=quantity, kind=fit["kind"],
-                          factor=fit["factor"], factor_name=fit["factor_name"] or "",
-                          missing=",".join(map(str, fit["missing"])), residual=fit["residual"], **labels))
-    return out
+    return distance_records("semantic", setup, config, promise, caps, SEMANTIC_TOLERANCE)

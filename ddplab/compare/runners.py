@@ -50,7 +50,7 @@ from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_bat
                                   global_batches, model_digest, named_trainable, split)
 
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
-           "capture_path", "load_capture", "reference_worker",
+           "capture_path", "load_capture", "reference_worker", "VARIANTS",
            "configuration_worker", "reference_runs"]
 
 
@@ -137,6 +137,7 @@ class ForwardDigests:
 
     def __init__(self, module: torch.nn.Module):
         self.calls: list[tuple[str, str]] = []
+        self.dtypes: set[str] = set()   # the floating dtypes modules computed in (autocast shows here)
         self.handles = [m.register_forward_hook(self._hook(name or "(model)"))
                         for name, m in module.named_modules()]
 
@@ -147,6 +148,8 @@ class ForwardDigests:
                 if hasattr(t, "full_tensor"):  # a DTensor output stays local; digest the local part
                     t = t.to_local()
                 self.calls.append((name, tensor_digest(t)))
+                if t.is_floating_point():
+                    self.dtypes.add(str(t.dtype).replace("torch.", ""))
         return hook
 
     def take(self) -> list[tuple[str, str]]:
@@ -225,6 +228,7 @@ class Capture:
             data["buckets"] = self.buckets.take()
         if self.digests is not None:
             data["forward"] = self.digests.take()
+            data["forward_dtypes"] = sorted(self.digests.dtypes)
         path = capture_path(self.root, self.run_id, step, self.rank)
         torch.save(data, path + ".tmp")
         os.replace(path + ".tmp", path)  # a capture that exists is complete
@@ -280,7 +284,7 @@ def reference_runs(configurations: list[Configuration], *, promises: bool = True
     runs = [RunSpec("reference", "reference"), RunSpec("truth", "truth", dtype=torch.float64)]
     seen = set()
     for c in configurations:
-        precision = c.precision()
+        precision = c.dtypes()
         if precision == (None, None) or precision in seen:
             continue
         seen.add(precision)
@@ -417,7 +421,7 @@ def _fsdp2(raw: torch.nn.Module, setup: Setup, config: FSDP2) -> _Trainer:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    param_dtype, reduce_dtype = config.precision()
+    param_dtype, reduce_dtype = config.dtypes()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward)
     # One FSDP unit per module owning parameters, then the root: the usual layout.
@@ -441,13 +445,17 @@ def _fsdp2(raw: torch.nn.Module, setup: Setup, config: FSDP2) -> _Trainer:
     return _Trainer(raw, optimizer, optimizer, lambda loss: loss.backward(), no_sync)
 
 
-def _custom_model(raw: torch.nn.Module, config: Custom) -> torch.nn.Module:
+def _custom_model(raw: torch.nn.Module, config: Custom) -> tuple[torch.nn.Module, BucketCapture | None]:
+    """The Custom step's model, and for ``wrap="ddp"`` the capture of DDP's buckets."""
     if config.wrap == "ddp":
         from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(raw)
+        model = DistributedDataParallel(raw)
+        buckets = BucketCapture(named_trainable(raw))
+        model.register_comm_hook(buckets, _capture_hook)
+        return model, buckets
     if config.wrap is None:
-        return raw
-    return config.wrap(raw)
+        return raw, None
+    return config.wrap(raw), None
 
 
 def _builtin_step(trainer: _Trainer, setup: Setup, micro_batches: list) -> float:
@@ -467,40 +475,71 @@ def _builtin_step(trainer: _Trainer, setup: Setup, micro_batches: list) -> float
     return total
 
 
+#: The launches of one configuration: as given (``run``); its symmetric twin (``twin``: every rank
+#: trains rank 0's share from the same RNG state, so every rank must compute bitwise alike); and
+#: the user's own code in float64 (``float64``: model and batches converted, compared with the truth).
+VARIANTS = ("run", "twin", "float64")
+
+
+def _seed_alike(step: int) -> None:
+    """The same RNG state on every rank for ``step`` (torch, Python's random, NumPy)."""
+    import random
+
+    import numpy as np
+    seed = 0x5EED + step
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _trainer(raw: torch.nn.Module, setup: Setup, config: Configuration) -> _Trainer | None:
+    """The wrapped model of a built-in configuration (None for a Custom step)."""
+    if isinstance(config, Custom):
+        return None
+    if isinstance(config, Fabric):
+        return _fabric(raw, setup, config)
+    if isinstance(config, FSDP2):
+        return _fsdp2(raw, setup, config)
+    if isinstance(config, DDP):
+        return _ddp(raw, setup, config)
+    raise ValueError(f"no runner for configuration {type(config).__name__}")
+
+
 def configuration_worker(setup: Setup, config: Configuration, steps: int, root: str, run_id: str,
-                         digest: str) -> int:
+                         digest: str, variant: str = "run") -> int:
     """Every rank of a configuration's launch: build, check, wrap, train ``steps`` steps, capture.
 
-    Returns the number of steps trained. Raises :class:`SetupError` when this
-    rank's model does not start from the reference's initial weights.
+    ``variant`` is one of :data:`VARIANTS`. Returns the number of steps trained.
+    Raises :class:`SetupError` when this rank's model does not start from the
+    reference's initial weights.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     rank, world = dist.get_rank(), dist.get_world_size()
     # Every record of this launch -- a user comm hook's too -- names the configuration.
     _records.set_labels(config=config.label)
-    batches = global_batches(setup, steps)
-    raw = setup.build_model()
-    if model_digest(raw) != digest:
+    dtype = torch.float64 if variant == "float64" else None
+    batches = [cast_batch(b, dtype) for b in global_batches(setup, steps)]
+    raw = setup.build_model(dtype)
+    if model_digest(raw) != digest and variant != "float64":
         raise SetupError(f"rank {rank} built a model whose initial weights differ from the reference's: "
                          "setup.model() must build the same weights in every process")
-    if isinstance(config, Custom):
-        model = _custom_model(raw, config)
+    trainer = _trainer(raw, setup, config)
+    if trainer is None:
+        model, buckets = _custom_model(raw, config)
         optimizer = setup.optimizer(model.parameters())
-        trainer = None
-    elif isinstance(config, Fabric):
-        trainer = _fabric(raw, setup, config)
-        optimizer = trainer.raw_optimizer
-    elif isinstance(config, FSDP2):
-        trainer = _fsdp2(raw, setup, config)
-        optimizer = trainer.raw_optimizer
-    elif isinstance(config, DDP):
-        trainer = _ddp(raw, setup, config)
-        optimizer = trainer.raw_optimizer
     else:
-        raise ValueError(f"no runner for configuration {type(config).__name__}")
+        optimizer, buckets = trainer.raw_optimizer, trainer.buckets
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
-                      rank=rank, buckets=trainer.buckets if trainer is not None else None, module=raw)
+                      rank=rank, buckets=buckets, module=raw)
     for step, batch in enumerate(batches):
+        if variant == "twin":
+            # The global batch as W copies of rank 0's share: however the step splits it by rank,
+            # every rank trains the same samples.
+            share = split(batch, world)[0]
+            batch = tuple(torch.cat([t] * world) for t in share)
+            _seed_alike(step)
         capture.begin()
         pieces = split(batch, world * config.k)
         micro = pieces[rank * config.k:(rank + 1) * config.k]

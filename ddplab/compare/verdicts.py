@@ -133,6 +133,9 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     findings += [ctx.findings[s.name] for s in EVIDENCE
                  if s.name != "tolerance" and ctx.findings.get(s.name) is not None]
     findings += decision.extra_findings
+    local = ctx.findings.get("localization")
+    if local is not None and local.key == decision.finding and local not in findings:
+        findings.append(local)  # the band's piece fit of the same kind: its weights and residuals
     bv = band.values
     semantic = ctx.findings.get("semantic")
     values = {key: bv[key] for key in ("max_deviation", "step", "param", "quantity", "where", "rounding_margin",

@@ -1,0 +1,106 @@
+"""The symmetric twin: the user's own step, every rank given the same data and the same RNG state.
+
+Under the data-parallel promise a rank's computation depends on its data
+and its RNG draws, never on its rank. The twin runs the configuration as
+written (its step, wrap, hooks) with the global batch replaced by W copies
+of rank 0's share and every rank's RNG seeded alike at every step
+(:data:`ddplab.compare.runners.VARIANTS`). Then every rank's forward
+outputs, its inputs to every collective, its gradients at
+``optimizer.step()`` and its parameters after it must be bitwise equal to
+rank 0's. A difference of any size -- one ulp -- is computation that depends
+on the rank: a bug, named at the first (step, rank, what, module) where it
+starts. This needs no specification of what the step promises, so it holds
+for Custom steps, SyncBatchNorm models, FSDP2's backward and unknown hooks.
+
+Records: ``twin_differing`` per step, rank (1..W-1), quantity (``forward``,
+``collective``, ``grad``, ``param``) and parameter or collective, value the
+number of differing elements (calls, for forward outputs), with ``max_ulp``
+where tensors differ; ``twin_module`` at the first forward difference.
+"""
+from __future__ import annotations
+
+from ddplab.records import record
+
+__all__ = ["twin_records", "first_asymmetry", "QUANTITIES"]
+
+#: What the twin compares, in the order a step computes it.
+QUANTITIES = ("forward", "collective", "grad", "param")
+
+
+def _forward(out: list, labels: dict, step: int, rank: int, mine: list, first: list) -> None:
+    differing = sum(a != b for a, b in zip(mine, first)) + abs(len(mine) - len(first))
+    out.append(record("twin_differing", differing, step=step, rank=rank, quantity="forward",
+                      param="(forward outputs)", **labels))
+    if differing:
+        module = next((a[0] for a, b in zip(mine, first) if a != b), "(model)")
+        out.append(record("twin_module", 1, step=step, rank=rank, module=module, **labels))
+
+
+def _tensors(out: list, labels: dict, step: int, rank: int, quantity: str, mine: dict, first: dict) -> None:
+    from ddplab.compare.replay import compare_bits
+
+    for name, tensor in first.items():
+        if name not in mine:
+            continue
+        c = compare_bits(mine[name], tensor)
+        extra = dict(max_ulp=c["max_ulp"], max_relative=c["max_relative"]) if c["differing"] else {}
+        out.append(record("twin_differing", c["differing"], step=step, rank=rank, quantity=quantity,
+                          param=name, **labels, **extra))
+
+
+def _collectives(out: list, labels: dict, step: int, rank: int, mine: list, first: list) -> None:
+    """The inputs of the rank's collectives, in issue order, against rank 0's (by digest)."""
+    for index, (a, b) in enumerate(zip(mine, first)):
+        if a["group"] != b["group"] and a["op"] == b["op"]:
+            continue  # sub-groups that do not hold rank 0 are compared among their own members
+        differing = int(a["input_digest"] != b["input_digest"])
+        out.append(record("twin_differing", differing, step=step, rank=rank, quantity="collective",
+                          param=f"#{index} {a['op']}", **labels))
+    if len(mine) != len(first):
+        out.append(record("twin_differing", abs(len(mine) - len(first)), step=step, rank=rank,
+                          quantity="collective", param="(number of collectives)", **labels))
+
+
+def twin_records(label: str, ranks: list[list[dict]], collectives: list[list[list[dict]]] | None = None
+                 ) -> list[dict]:
+    """Compare every rank of the twin with rank 0, step by step.
+
+    ``ranks[r][step]`` is rank r's capture of the twin (:class:`ddplab.compare.runners.Capture`);
+    ``collectives[r][step]``, when recorded, rank r's collectives of that step in issue order
+    (dicts with ``op``, ``group`` and ``input_digest``).
+    """
+    labels = dict(config=label)
+    out: list[dict] = []
+    steps = min(len(r) for r in ranks)
+    for step in range(steps):
+        first = ranks[0][step]
+        for rank in range(1, len(ranks)):
+            mine = ranks[rank][step]
+            _forward(out, labels, step, rank, mine.get("forward", []), first.get("forward", []))
+            if collectives is not None and step < min(len(c) for c in collectives):
+                _collectives(out, labels, step, rank, collectives[rank][step], collectives[0][step])
+            elif "buckets" in first:  # DDP's bucket inputs, kept around its reduction
+                _tensors(out, labels, step, rank, "collective",
+                         {f"bucket {b['index']}": b["local"] for b in mine.get("buckets", [])},
+                         {f"bucket {b['index']}": b["local"] for b in first["buckets"]})
+            _tensors(out, labels, step, rank, "grad", mine["grads"], first["grads"])
+            _tensors(out, labels, step, rank, "param", mine["params"], first["params"])
+    return out
+
+
+def first_asymmetry(frame, config: str) -> dict | None:
+    """The first (step, quantity, rank, what) where a rank computed otherwise than rank 0, as values."""
+    if "metric" not in frame.columns:
+        return None
+    found = frame[(frame["metric"] == "twin_differing") & (frame["config"] == config) & (frame["value"] > 0)]
+    if found.empty:
+        return None
+    order = {q: i for i, q in enumerate(QUANTITIES)}
+    row = found.assign(_q=found["quantity"].map(order)).sort_values(["step", "_q", "rank"], kind="stable").iloc[0]
+    modules = frame[(frame["metric"] == "twin_module") & (frame["config"] == config)]
+    module = str(modules.sort_values(["step", "rank"]).iloc[0]["module"]) if not modules.empty else ""
+    max_ulp = row.get("max_ulp") if hasattr(row, "get") else None
+    return dict(step=int(row["step"]), rank=int(row["rank"]), quantity=str(row["quantity"]),
+                param=str(row["param"]), differing=int(row["value"]),
+                max_ulp=float(max_ulp) if max_ulp is not None and max_ulp == max_ulp else float("nan"),
+                module=module if row["quantity"] == "forward" else "")

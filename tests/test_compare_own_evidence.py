@@ -1,0 +1,108 @@
+"""The evidence that needs no specification: the symmetric twin and the user's own code in float64.
+
+Faults written inside a Custom step, the way users write loops, are found at
+their step and rank down to one ulp (``compare.faults.plant_custom``); faults
+every rank commits alike are found by the float64 run; correct Custom steps
+(accumulation with or without no_sync, a hand-written all-reduce, autocast)
+read rounding, earned by the float64 run and the twin. Each test fails on the
+tolerance-only referee these Custom steps were judged by before.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from ddplab import compare
+from ddplab.compare import evidence, examples, faults
+
+STEPS = 2
+ONE_RANK = ("loss_term", "skipped_micro_batch", "duplicated_micro_batch", "wrong_divide")
+
+
+@pytest.fixture(scope="module")
+def one_ulp_faults(warm_launcher):
+    """Every step-level fault on rank 1 at one ulp, and the faults every rank commits at 1e-6."""
+    plants = [faults.plant_custom(kind, "ulp", steps=STEPS) for kind in ONE_RANK + ("optimizer",)]
+    plants += [faults.plant_custom(kind, 1e-6, steps=STEPS) for kind in ("every_rank_scale", "every_rank_factor")]
+    result = compare.run(plants[0].setup, [p.config for p in plants], progress=False)
+    return plants, result
+
+
+@pytest.mark.parametrize("kind", ONE_RANK)
+def test_a_one_ulp_fault_on_one_rank_is_a_bug_at_its_step_and_rank(one_ulp_faults, kind):
+    plants, result = one_ulp_faults
+    plant = next(p for p in plants if p.kind == kind)
+    v = result.verdict(plant.config)
+    assert (v.kind, v.evidence, v.finding) == ("bug", "twin", "asymmetry"), v.headline
+    assert (v.values["twin_step"], v.values["twin_rank"]) == (plant.step, plant.rank)
+    # It enters before DDP's all-reduce: the rank's bucket input differs, the replicas do not.
+    assert v.values["twin_quantity"] == "collective"
+    assert v._finding("ranks_agree").holds
+
+
+def test_a_learning_rate_one_ulp_off_on_one_rank_pulls_the_replicas_apart(one_ulp_faults):
+    plants, result = one_ulp_faults
+    v = result.verdict(next(p for p in plants if p.kind == "optimizer").config)
+    assert (v.kind, v.evidence) == ("bug", "replicas")
+    assert (v.values["desync_step"], v.values["desync_rank"]) == (0, 1)
+    assert v._finding("twin").holds is False  # the twin sees it too
+
+
+@pytest.mark.parametrize("kind, finding", [("every_rank_scale", "semantic"), ("every_rank_factor", "factor")])
+def test_a_fault_every_rank_commits_is_found_by_the_float64_run(one_ulp_faults, kind, finding):
+    plants, result = one_ulp_faults
+    v = result.verdict(next(p for p in plants if p.kind == kind).config)
+    assert (v.kind, v.evidence, v.finding) == ("bug", "float64", finding), v.headline
+    assert v._finding("twin").holds          # symmetric: the twin cannot see it
+    f64 = v.finding_values("float64")
+    assert f64["max_float64_distance"] > 1e-7 > f64["float64_tolerance"] == 1e-9
+    assert f64["float64_step"] == 0
+
+
+def test_a_scaled_local_gradient_on_one_rank_is_found_at_one_ulp(warm_launcher):
+    plant = faults.plant_custom("local_gradient", "ulp", steps=STEPS)
+    v = compare.run(plant.setup, plant.config, progress=False).verdict(plant.config)
+    assert (v.kind, v.evidence) == ("bug", "twin")
+    assert (v.values["twin_step"], v.values["twin_rank"], v.values["twin_quantity"]) == (0, 1, "collective")
+
+
+@pytest.fixture(scope="module")
+def correct_steps(warm_launcher):
+    configs = examples.correct_custom_steps()
+    return configs, compare.run(examples.digits_setup(0, steps=STEPS), configs, progress=False)
+
+
+def test_correct_custom_steps_read_rounding_earned_by_float64_and_the_twin(correct_steps):
+    configs, result = correct_steps
+    for config in configs:
+        if "hook" in config.label:
+            continue  # hand-written compression hooks: judged by their recorded collectives (below)
+        v = result.verdict(config)
+        assert v.kind in ("rounding", "exact", "approximation"), (config.label, v.headline)
+        if v.kind == "rounding":
+            assert v.evidence == "float64", (config.label, v.headline)
+            assert v._finding("twin").holds
+
+
+def test_autocast_is_measured_against_a_reference_in_its_precision(correct_steps):
+    configs, result = correct_steps
+    autocast = next(c for c in configs if c.train_step is examples.autocast_bfloat16)
+    bands = result.records[(result.records["metric"] == "band") & (result.records["config"] == autocast.label)]
+    assert set(bands["band_run"]) == {"reference bfloat16"}
+    assert "reference bfloat16" in [r.label for r in result.runs]
+
+
+def test_a_declared_approximation_is_never_rounding(warm_launcher):
+    config = compare.Custom(2, train_step=examples.plain_step, approximation="a gradient I round on purpose",
+                            wrap=functools.partial(examples.ddp_with_own_hook, examples.own_bf16_hook))
+    v = compare.run(examples.digits_setup(0, steps=STEPS), config, progress=False).verdict(config)
+    assert (v.kind, v.evidence) == ("approximation", "approximation")
+    assert v.values["approximation"] == "a gradient I round on purpose"
+    assert v.values["symmetric"] == "yes" and v.values["approximation_relative"] > 1e-6
+
+
+def test_the_readme_verdict_table_is_rendered_from_the_registry():
+    from readme import readme_section
+
+    assert evidence.verdict_table() in readme_section("Your own training: `ddplab.compare`")

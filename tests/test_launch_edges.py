@@ -398,7 +398,7 @@ def nothing_starts(no_leftovers, monkeypatch):
         return spy
 
     monkeypatch.setattr(launcher._RankProcess, "start", refuse("a rank process"))
-    monkeypatch.setattr(launcher, "_loopback_store", refuse("the rendezvous store"))
+    monkeypatch.setattr(launcher.lifecycle, "_loopback_store", refuse("the rendezvous store"))
     before = psutil.Process().children(recursive=True)
     yield
     assert started == []

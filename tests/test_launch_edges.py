@@ -303,6 +303,24 @@ def test_the_first_failure_is_blamed_not_a_peer_that_exited(no_leftovers):
     assert "rank 1 exited with code 3" in consequences and "rank 2 exited with code 3" in consequences
 
 
+def sleep_instead_of_all_reduce():
+    if dist.get_rank() == 1:
+        time.sleep(60)  # never enters the all-reduce rank 0 waits in
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_timeout_singles_out_the_rank_that_never_entered_the_collective(no_leftovers):
+    with pytest.raises(LaunchTimeout) as info:
+        launch(sleep_instead_of_all_reduce, world_size=2, timeout=5)
+    err = info.value
+    assert err.pending == [0, 1]
+    assert err.not_in_collective == [1]
+    assert err.places[1].frame.function == "sleep_instead_of_all_reduce"
+    assert err.places[1].frame.file == __file__
+    assert err.places[0].waits_in.function == "all_reduce"
+    assert str(err.places[1].frame) in str(err)
+
+
 # ---------------------------------------------------------------- odd values and exceptions
 
 
@@ -398,7 +416,7 @@ def nothing_starts(no_leftovers, monkeypatch):
         return spy
 
     monkeypatch.setattr(launcher._RankProcess, "start", refuse("a rank process"))
-    monkeypatch.setattr(launcher, "_loopback_store", refuse("the rendezvous store"))
+    monkeypatch.setattr(launcher.lifecycle, "_loopback_store", refuse("the rendezvous store"))
     before = psutil.Process().children(recursive=True)
     yield
     assert started == []

@@ -39,6 +39,9 @@ def test_crash_and_hang_are_reported_and_the_others_still_publish(no_leftovers):
     assert hung.kind == "hung"
     assert isinstance(result.errors["hang_on_rank_1_at_step_1 W=2"], launcher.LaunchTimeout)
     assert "did not return" in hung.error
+    # The hang names the rank that never entered the collective rank 0 waits in, and each rank's steps.
+    assert hung.finding_values("completed")["failed_rank"] == 1
+    assert hung.finding_values("completed")["rank_steps"] == "0:1,1:1"
     assert result.verdict("ddp W=2").kind == "exact"
     frame = result.records
     dev = frame[(frame["metric"] == "deviation") & (frame["config"] == "crash_on_rank_1_at_step_1 W=2")]

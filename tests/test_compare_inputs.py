@@ -128,3 +128,15 @@ def test_a_model_that_differs_between_processes_is_refused_before_any_configurat
         with pytest.raises(compare.SetupError, match="different initial weights in another process"):
             compare.run(_setup(model=_seeded_by_pid), [compare.DDP(2)], progress=False)
     assert not [r for r in seen if r.get("config") == "ddp W=2"]  # the configuration never ran
+
+
+def test_what_a_launch_would_refuse_is_refused_before_anything_runs():
+    from ddplab.launcher import world_size_limit
+
+    setup = examples.digits_setup(0, steps=1)
+    too_many = world_size_limit()[0] + 1
+    for configs, kwargs in (([compare.DDP(2), compare.DDP(too_many)], {}),
+                            (compare.DDP(2, timeout=float("nan")), {}),
+                            (compare.DDP(2), dict(timeout=float("inf")))):
+        with pytest.raises(ValueError):
+            compare.run(setup, configs, progress=False, **kwargs)

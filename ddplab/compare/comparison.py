@@ -252,6 +252,11 @@ def _status_record(config: Configuration, status: str, steps_done: int, error: B
     if error is not None:
         labels["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
         rank = getattr(error, "rank", None)
+        # A hang has no failing rank; the one that never entered the collective the others wait in is it.
+        culprits = list(getattr(error, "not_in_collective", None) or [])
+        if rank is None and culprits:
+            rank = culprits[0]
+            labels["not_in_collective"] = ",".join(map(str, culprits))
         if rank is not None:
             labels["failed_rank"] = int(rank)
     return _records.record("steps_completed", steps_done, **labels)
@@ -396,13 +401,15 @@ class _Session:
     def analyse(self, index: int, config: Configuration, caps: dict, batches: list) -> list[dict]:
         """Every record of ``config``: the band, the audits, the replay, the promise, the twin, float64."""
         status, error = self.statuses[config.label]
-        records, done = [], 0
+        records, done, facts = [], 0, {}
         if status not in ("not run", "unavailable"):
             band = _band_run(config, self.runs, self._precision(index, config))
             recs, ranks = _config_records(self.root, config, f"config{index}", self.steps, caps, band,
                                           self.facts["dtype"])
             records += recs
-            done = len(ranks[0])
+            # Every rank's own count: a hang can leave rank 0 steps ahead of the others.
+            done = min(len(r) for r in ranks)
+            facts["rank_steps"] = ",".join(f"{r}:{len(caps_r)}" for r, caps_r in enumerate(ranks))
             records += _reduction_records(config, ranks)
             records += _replay.replay_records(self.setup, config, ranks, batches)
             promise = caps.get(_promise_id(self.runs, config))
@@ -416,7 +423,7 @@ class _Session:
                                       no_replay=_replay.unavailable(self.setup, config),
                                       random=self.facts["random"] or None,
                                       compression=_compression(config),
-                                      approximation=config.approximates()))
+                                      approximation=config.approximates(), **facts))
         return records
 
     def _own_evidence(self, index: int, config: Configuration, caps: dict) -> list[dict]:
@@ -464,8 +471,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     configs = check_configurations(configurations)
     if not (isinstance(progress, bool) or callable(progress)):
         raise ValueError(f"progress must be True, False or a callable (config, step, steps), got {progress!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    _launcher.check_timeout(timeout)
     facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
     steps = facts["steps"]
     runs = reference_runs(configs, promises=not facts["random"])

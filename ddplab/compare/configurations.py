@@ -86,9 +86,11 @@ class Configuration:
         _check_int("k", self.k)
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
-        if self.timeout is not None and (isinstance(self.timeout, bool) or
-                                         not isinstance(self.timeout, (int, float)) or self.timeout <= 0):
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {self.timeout!r}")
+        # What a launch would refuse is refused here, before any configuration runs.
+        from ddplab.launcher import check_timeout, check_world_size
+        check_world_size(self.world_size)
+        if self.timeout is not None:
+            check_timeout(self.timeout)
         if self.approximation is not None and (not isinstance(self.approximation, str) or
                                                not self.approximation.strip()):
             raise ValueError(f"approximation must be a non-empty description (e.g. 'PowerSGD rank 1') or None, "

@@ -105,12 +105,15 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     srow = status_rows.iloc[0]
     status, done = srow["status"], int(srow["value"])
     error_text = str(error) if error is not None else label(srow, "error")
-    failure = dict(status=status, steps_completed=done, failed_rank=label(srow, "failed_rank", -1),
+    failed_rank = int(label(srow, "failed_rank", -1))
+    failure = dict(status=status, steps_completed=done, failed_rank=failed_rank,
+                   failed_where=f"rank {failed_rank}" if failed_rank >= 0 else "no single rank named",
+                   rank_steps=str(label(srow, "rank_steps", "") or ""),
                    error=label(srow, "error", ""))
     findings: list[Finding] = []
     if status != "completed":
         findings.append(Finding(key="completed", claim="The configuration ran every step", holds=False,
-                                template="{status} after {steps_completed} step(s), rank {failed_rank}: {error}",
+                                template="{status} after {steps_completed} step(s) on every rank, {failed_where}: {error}",
                                 values=failure))
     dev = rows(frame, "deviation", config)
     dev = dev[dev["rank"] == 0] if not dev.empty else dev
@@ -118,7 +121,7 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
         kind = status if status != "completed" else "undetermined"
         summary = {"not run": "not run: the comparison was stopped before it",
                    "unavailable": "not run: {error}"}.get(
-            status, "{status} before its first step was captured (rank {failed_rank}): {error}")
+            status, "{status} before its first step was captured ({failed_where}): {error}")
         return ConfigVerdict(config, kind, None, summary, failure, findings, steps_completed=done,
                              error=error_text)
     ctx = Context(frame, config, world=int(label(srow, "world_size", 1)), k=int(label(srow, "k", 1)),
@@ -152,7 +155,7 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     summary = decision.summary
     if status != "completed":
         values.update(failure)
-        summary = "{status} after {steps_completed} step(s) (rank {failed_rank}); on those steps: " + summary
+        summary = "{status} after {steps_completed} step(s) on every rank ({failed_where}); on those steps: " + summary
     return ConfigVerdict(config, status if status != "completed" else decision.classification,
                          decision.classification, summary, values, findings, max_deviation=bv["max_deviation"],
                          first_divergence=first, finding=decision.finding, steps_completed=done,

@@ -74,7 +74,9 @@ class Case:
     run take seconds), ``reproduces`` (the reproduced report's id in
     :mod:`ddplab.reproduced`, or None for a case of one's own),
     ``figures_by_name`` (``{name: fn(records, params, ax=None) -> Figure}``,
-    most telling first), ``key_figure`` (the one an issue thread shows) and
+    most telling first), ``key_figure`` (the one an issue thread shows),
+    ``tables_by_name`` (``{name: fn(records[, params]) -> DataFrame or
+    Markdown text}``, the tables a notebook shows beside the figures) and
     ``run_label`` (the record label that names a run inside a launch, for
     one progress bar per run).
 
@@ -91,6 +93,7 @@ class Case:
     reproduces: ClassVar[str | None] = None
     figures_by_name: ClassVar[Mapping[str, Callable]] = {}
     key_figure: ClassVar[str | None] = None
+    tables_by_name: ClassVar[Mapping[str, Callable]] = {}
     run_label: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs):
@@ -201,6 +204,19 @@ class Case:
         if ax is not None and "ax" in inspect.signature(fn).parameters:
             return fn(records, params, ax=ax)
         return fn(records, params)
+
+    def table(self, name: str, records, params: dict):
+        """The table called ``name`` (see ``tables_by_name``): a DataFrame, or Markdown text.
+
+        ``params`` goes to table functions that take a ``params`` argument.
+        """
+        if name not in self.tables_by_name:
+            raise ValueError(f"case {self.name!r} has no table {name!r}; "
+                             f"it has {', '.join(self.tables_by_name) or 'none'}")
+        fn = self.tables_by_name[name]
+        if "params" in inspect.signature(fn).parameters:
+            return fn(records, params=params)
+        return fn(records)
 
     def figures(self, records, params: dict) -> list:
         """Every figure, the key figure first (the explorer shows them in this order)."""

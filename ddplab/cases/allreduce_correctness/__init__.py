@@ -114,6 +114,7 @@ class AllreduceCorrectness(Case):
                        "pairing": figures.plot_pairing,
                        "signature": figures.plot_signature}
     key_figure = "errors_vs_bound"
+    tables_by_name = {"summary": figures.summary_table, "pairing": figures.pairing_table}
     run_label = "mode"
 
     def launches(self, params: dict) -> list[LaunchPlan]:
@@ -129,10 +130,6 @@ class AllreduceCorrectness(Case):
 
     def verdict(self, records, params: dict):
         return verdict.verdict(records, params)
-
-    # Tables the notebook shows beside the figures.
-    summary_table = staticmethod(figures.summary_table)
-    pairing_table = staticmethod(figures.pairing_table)
 
 
 CASE = AllreduceCorrectness()

@@ -108,6 +108,7 @@ class BackendDivergence(Case):
                        "bucket_errors": figures.plot_bucket_errors, "loss_curves": figures.plot_loss_curves,
                        "grad_norms": figures.plot_grad_norms}
     key_figure = "param_distance"
+    tables_by_name = {"loss_gaps": loss_gaps}
     run_label = "run"
 
     def check(self, params: dict) -> None:
@@ -156,9 +157,6 @@ class BackendDivergence(Case):
 
     def verdict(self, records, params: dict):
         return verdict.verdict(records, params)
-
-    # A table the notebook and tests read beside the figures.
-    loss_gaps = staticmethod(loss_gaps)
 
 
 CASE = BackendDivergence()

@@ -74,6 +74,9 @@ class DeviceRoundtrip(Case):
                        "weight_distance": figures.plot_weight_distance,
                        "loss_gap": figures.plot_loss_gap, "loss": figures.plot_loss}
     key_figure = "timeline"
+    tables_by_name = {"skipped": figures.skipped_markdown, "alarms": figures.alarms_markdown,
+                      "summary": figures.summary_table, "alarm_log": figures.alarms_table,
+                      "loss_gaps": figures.loss_gap_table}
     run_label = "config"
 
     def check(self, params: dict) -> None:
@@ -98,13 +101,6 @@ class DeviceRoundtrip(Case):
 
     def verdict(self, records, params: dict):
         return verdict.verdict(records, params)
-
-    # Tables the notebook shows beside the figures.
-    summary_table = staticmethod(figures.summary_table)
-    alarms_table = staticmethod(figures.alarms_table)
-    alarms_markdown = staticmethod(figures.alarms_markdown)
-    skipped_markdown = staticmethod(figures.skipped_markdown)
-    loss_gap_table = staticmethod(figures.loss_gap_table)
 
 
 CASE = DeviceRoundtrip()

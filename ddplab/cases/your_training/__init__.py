@@ -55,6 +55,7 @@ class YourTraining(Case):
                        "grad_norm": figures.plot_grad_norm, "heatmap": figures.plot_heatmap,
                        "finding": figures.plot_finding}
     key_figure = "deviation"
+    tables_by_name = {"verdicts": verdicts_markdown}
     run_label = "config"
 
     def check(self, params: dict) -> None:
@@ -102,11 +103,6 @@ class YourTraining(Case):
 
     def verdict(self, records, params: dict):
         return comparison_verdict(records, case=self.name)
-
-    @staticmethod
-    def verdicts_markdown(records) -> str:
-        """One row per configuration: verdict, largest deviation, first divergence, finding."""
-        return verdicts_markdown(records)
 
 
 CASE = YourTraining()

@@ -48,7 +48,8 @@ class HalfPrecision(Case):
     notebook = "02_half_precision_weights.ipynb"
     reproduces = "half_precision"
     parameters = ParameterSet([
-        Parameter("world_size", 2, "number of ranks (processes)", kind="int", minimum=1, maximum=8),
+        Parameter("world_size", 2, "number of ranks (processes)", kind="int", minimum=1, maximum=8,
+                  role="world_size"),
         Parameter("dtypes", ["float16", "float32"], "weight dtypes to build the model in (must include "
                   "float16, the report's)",
                   kind="list[str]", choices=DTYPES, check=_needs_float16),

@@ -6,6 +6,7 @@ notebook repeats the case's parameters -- then::
     lab = notebook.setup("half_precision")   # reads the parameters cell, validates, shows them
     records = lab.run()                      # launches the ranks (or reads run_dir)
     lab.show("lanes")                        # a figure of the case, by name
+    lab.table("norms")                       # a table of the case, by name
     verdict = lab.conclude()                 # computes, displays and saves the verdict
 
 :func:`setup` reads every parameter the case declares from the notebook's
@@ -114,6 +115,18 @@ class CaseSession:
         from ddplab.plots import show
         show(self.figure(name))
 
+    def table(self, name: str):
+        """The case's table ``name`` of this run's records, as a notebook cell shows it.
+
+        A DataFrame as it is; a table the case writes as Markdown text as
+        :class:`IPython.display.Markdown` (``case.table`` gives the text).
+        """
+        table = self.case.table(name, self._need_records(), self.params)
+        if isinstance(table, str):
+            from IPython.display import Markdown
+            return Markdown(table)
+        return table
+
     def conclude(self, *, display: bool = True) -> Verdict:
         """Compute the verdict from the records, display it, save the results (``results_dir``)."""
         records = self._need_records()
@@ -174,7 +187,7 @@ def parameters_source(case: "str | Case") -> str:
 
 
 def template_notebook(case: "str | Case", case_path: str | None = None):
-    """A complete notebook for ``case``: its parameters cell, run, every figure, the verdict.
+    """A complete notebook for ``case``: its parameters cell, run, every figure and table, the verdict.
 
     ``case_path`` is how the notebook names the case to :func:`setup`
     (default: the built-in name, or the module path it was loaded from).
@@ -207,6 +220,10 @@ def template_notebook(case: "str | Case", case_path: str | None = None):
         v4.new_code_cell("for figure in lab.case.figures_by_name:\n"
                          "    if figure != lab.case.key_figure:\n"
                          "        lab.show(figure)"),
+        *([v4.new_markdown_cell("## Every table"),
+           v4.new_code_cell("from IPython.display import display\n\n"
+                            "for table in lab.case.tables_by_name:\n"
+                            "    display(lab.table(table))")] if case.tables_by_name else []),
         v4.new_markdown_cell("## Verdict\n\nComputed from the records above."),
         verdict,
     ])

@@ -3,7 +3,10 @@
 Every case declares a :class:`ParameterSet`. The notebook's papermill
 ``parameters`` cell mirrors it (a test keeps the two equal), ``ddplab report``
 and ``python -m ddplab run`` validate overrides against it before a kernel or
-a rank starts, and the explorer builds its widgets from it.
+a rank starts, and the explorer builds its widgets from it. A parameter's
+``role`` (:data:`ROLES`) is what generic code reads it as -- the ranks a
+launch starts, its backend, its steps -- so that no generic code depends on
+what a case calls its parameters.
 
 Values arriving as strings are parsed, because papermill's ``-p`` passes a
 list such as ``[2, 4]`` as the *string* ``"[2, 4]"`` (YAML and ``2,4`` both
@@ -23,10 +26,20 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
-__all__ = ["Parameter", "ParameterSet", "KINDS"]
+__all__ = ["Parameter", "ParameterSet", "KINDS", "ROLES"]
 
 #: The value kinds a parameter may declare.
 KINDS = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "path")
+
+#: What generic code may read a parameter as (its ``role``), with the kinds that role accepts.
+ROLES = {
+    # How many ranks a launch starts; a list: one launch per size. A torchrun job's size sets it.
+    "world_size": ("int", "list[int]"),
+    # The process group's backend (gloo, nccl).
+    "backend": ("str",),
+    # How many steps a launch reports, for progress bars.
+    "steps": ("int",),
+}
 
 _SCALAR = {"int": int, "float": float, "str": str, "bool": bool, "path": str}
 
@@ -38,6 +51,7 @@ class Parameter:
     ``choices`` restricts str values (or list items); ``minimum``/``maximum``
     bound numbers (or list items); ``check`` is an extra predicate returning an
     error text or None. ``nullable`` allows None (e.g. an optional path).
+    ``role`` (a key of :data:`ROLES`) is what generic code reads it as.
     """
 
     name: str
@@ -49,10 +63,17 @@ class Parameter:
     maximum: float | None = None
     nullable: bool = False
     check: Callable[[Any], str | None] | None = None
+    role: str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"parameter {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"parameter {self.name!r}: role must be one of {', '.join(ROLES)}, "
+                             f"got {self.role!r}")
+        if self.role is not None and self.kind not in ROLES[self.role]:
+            raise ValueError(f"parameter {self.name!r}: role {self.role!r} needs kind "
+                             f"{' or '.join(ROLES[self.role])}, got {self.kind!r}")
 
     def accepts(self) -> str:
         """What this parameter accepts, in words (for error messages and help)."""
@@ -154,6 +175,13 @@ class ParameterSet:
 
     def __init__(self, parameters: Iterable[Parameter]):
         self.parameters = {p.name: p for p in parameters}
+        self.roles: dict[str, Parameter] = {}
+        for p in self.parameters.values():
+            if p.role in self.roles:
+                raise ValueError(f"parameters {self.roles[p.role].name!r} and {p.name!r} both have "
+                                 f"the role {p.role!r}; a role belongs to one parameter")
+            if p.role is not None:
+                self.roles[p.role] = p
 
     def __iter__(self):
         return iter(self.parameters.values())
@@ -166,6 +194,17 @@ class ParameterSet:
 
     def names(self) -> list[str]:
         return list(self.parameters)
+
+    def with_role(self, role: str) -> Parameter | None:
+        """The parameter that plays ``role`` (a key of :data:`ROLES`), or None."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+        return self.roles.get(role)
+
+    def role_value(self, params: Mapping[str, Any], role: str, default: Any = None) -> Any:
+        """The value in ``params`` of the parameter playing ``role``; ``default`` without one."""
+        p = self.with_role(role)
+        return params[p.name] if p is not None and p.name in params else default
 
     def defaults(self) -> dict:
         return {name: p.default for name, p in self.parameters.items()}

@@ -314,7 +314,7 @@ def _publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, outcome, *, no
         found = verdicts_from_notebook(nb.cells)
         verdict = found[-1] if found else None
     if environment is None:
-        environment = {**environment_info(backend=params.get("backend")),
+        environment = {**environment_info(backend=spec.parameters.role_value(params, "backend")),
                        "note": "of the machine that ran the batch; the notebook saved none"}
     failing_source = None
     if outcome.failing_cell is not None and outcome.failing_cell < len(nb.cells) and no_input:

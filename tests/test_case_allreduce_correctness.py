@@ -202,10 +202,10 @@ def test_verdict_on_a_real_run(small_run):
     assert signature["report"] == REPORT_MAX_DIFF and signature["as_ready_constant"] == 0
     assert signature["race_exact"] == signature["race_failed"]
     assert v.scope and len(v.key_table()) >= 3
-    summary = case.summary_table(records)
+    summary = case.table("summary", records, params)
     assert summary.loc["fixed", "classification"] == "rounding"
     assert summary.loc["as_ready", "classification"] == "not rounding"
-    table = case.pairing_table(records)
+    table = case.table("pairing", records, params)
     assert table.loc[("as_ready", 0), "rank 0"] == "bbb/W" and table.loc[("as_ready", 0), "rank 1"] == "aaa/W"
     assert table.loc["as_ready", "mispaired"].sum() == 2 and not table.loc["fixed", "mispaired"].any()
 

@@ -324,7 +324,7 @@ def test_logged_loss_of_a_placement_is_not_compared_bitwise():
 
 def test_loss_gaps_are_exact_differences_from_the_exact_run():
     frame = _clean_records()
-    gaps = case.loss_gaps(frame)
+    gaps = case.table("loss_gaps", frame, PARAMS)
     w2 = gaps[gaps["world_size"] == 2]
     assert (w2["value"] == 0).all() and "exact" not in set(gaps["run"])
     w4 = gaps[(gaps["world_size"] == 4) & (gaps["run"] == "nccl_tree")].set_index("step")["value"]

@@ -1,9 +1,11 @@
 """The case contract, checked for every registered case and for a case written from the README.
 
 Each registered case: its notebook's parameters cell mirrors its declared
-parameters, its quick values are valid, and one quick end-to-end run through
-``ddplab report`` (real papermill, real ranks) produces records, a verdict
-that states its scope and carries its numbers, and figures. A fifth case,
+parameters (defaults and help texts), its quick values are valid, every
+figure and table its notebook names is declared, and one quick end-to-end
+run through ``ddplab report`` (real papermill, real ranks) produces records,
+a verdict that states its scope and carries its numbers, every declared
+figure and every declared table. A fifth case,
 taken verbatim from the README's "Add a case" section into a package outside
 ddplab, runs through ``ddplab report``, the explorer and torchrun.
 """
@@ -13,11 +15,13 @@ import ast
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
 
 import matplotlib.pyplot as plt
+import pandas as pd
 import papermill
 import pytest
 
@@ -44,7 +48,24 @@ def _check_parameters_cell(case) -> None:
     for name, info in inspected.items():
         assert ast.literal_eval(info["default"]) == expected[name], name
         assert info["help"], f"parameter {name!r} needs a trailing '# help' comment"
+        # The declaration is the one source: the cell's comment says what it says.
+        if name in case.parameters:
+            assert info["help"] == case.parameters[name].help, name
     case.check_params(case.quick)
+
+
+#: ``lab.show("name")``, ``lab.figure("name")`` or ``lab.table("name")`` in a notebook's code.
+_NAMED_CALL = re.compile(r"""\blab\.(show|figure|table)\(\s*["']([^"']+)["']""")
+
+
+def _check_notebook_names(case) -> None:
+    """Every figure and table the notebook asks for by name is declared; nothing else is called on the case."""
+    nb = json.loads(case.notebook_path().read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    declared = {"show": case.figures_by_name, "figure": case.figures_by_name, "table": case.tables_by_name}
+    for call, name in _NAMED_CALL.findall(code):
+        assert name in declared[call], f"{case.notebook}: lab.{call}({name!r}) is not declared"
+    assert not re.search(r"\blab\.case\.\w+\(", code), "tables and figures are asked for by name"
 
 
 def _check_results(case, case_dir: pathlib.Path) -> Verdict:
@@ -66,6 +87,9 @@ def _check_results(case, case_dir: pathlib.Path) -> Verdict:
     for fig in figures:
         assert fig.axes
         plt.close(fig)
+    for name in case.tables_by_name:
+        table = case.table(name, saved.records, params)
+        assert isinstance(table, (str, pd.DataFrame)) and len(table) > 0, name
     # The verdict is a pure function of the records: recomputed, it is the same.
     assert case.verdict(saved.records, params).to_dict() == verdict.to_dict()
     return verdict
@@ -74,6 +98,11 @@ def _check_results(case, case_dir: pathlib.Path) -> Verdict:
 @pytest.mark.parametrize("name", case_names())
 def test_parameters_cell_mirrors_the_case(name):
     _check_parameters_cell(get_case(name))
+
+
+@pytest.mark.parametrize("name", case_names())
+def test_notebook_asks_for_declared_figures_and_tables_only(name):
+    _check_notebook_names(get_case(name))
 
 
 # What a rank does first: unpickle the case's worker, in a fresh interpreter.
@@ -169,6 +198,7 @@ def test_readme_case_runs_through_the_report(readme_case, tmp_path):
     root, path, env = readme_case
     case = get_case(path)
     _check_parameters_cell(case)
+    _check_notebook_names(case)
     out = subprocess.run([sys.executable, "-m", "ddplab", "report", path, "--quick", "--output",
                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -295,7 +295,7 @@ def test_tables_and_figures_from_planted_records():
     broken = gaps[(gaps["variant"] == "as reported") & (gaps["step"] >= 2)]
     assert (broken["gap"] != 0).all()
     assert "fired on rank(s) 0, 1 at step 2" in alarms_markdown(recs)
-    assert len(case.alarms_table(recs)) == 4                  # 2 configurations x 2 ranks
+    assert len(case.table("alarm_log", recs, params)) == 4   # 2 configurations x 2 ranks
     figs = case.figures(recs, params)
     assert len(figs) == 5 and all(isinstance(f, matplotlib.figure.Figure) for f in figs)
     for name in case.figures_by_name:                         # one panel into a caller's axes

@@ -65,7 +65,7 @@ def test_planted_bugs_through_the_parameters(warm_launcher):
     assert verdict.finding("ddp W=2").values["finding"] == "factor"
     assert verdict.finding("zero_grad_in_loop W=2 k=4").values["finding"] == "missing_contribution"
     assert verdict.finding("no_allreduce W=2").values["finding"] == "desync"
-    assert "0.5 = 1/W" in CASE.verdicts_markdown(records)
+    assert "0.5 = 1/W" in CASE.table("verdicts", records, params)
     for fig in CASE.figures(records, params):
         assert fig.axes
     assert CASE.figure("finding", records, params).axes[0].get_title().endswith("factor")

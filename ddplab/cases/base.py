@@ -74,7 +74,9 @@ class Case:
     run take seconds), ``reproduces`` (the reproduced report's id in
     :mod:`ddplab.reproduced`, or None for a case of one's own),
     ``figures_by_name`` (``{name: fn(records, params, ax=None) -> Figure}``,
-    most telling first), ``key_figure`` (the one an issue thread shows) and
+    most telling first), ``key_figure`` (the one an issue thread shows),
+    ``tables_by_name`` (``{name: fn(records[, params]) -> DataFrame or
+    Markdown text}``, the tables a notebook shows beside the figures) and
     ``run_label`` (the record label that names a run inside a launch, for
     one progress bar per run).
 
@@ -91,6 +93,7 @@ class Case:
     reproduces: ClassVar[str | None] = None
     figures_by_name: ClassVar[Mapping[str, Callable]] = {}
     key_figure: ClassVar[str | None] = None
+    tables_by_name: ClassVar[Mapping[str, Callable]] = {}
     run_label: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs):
@@ -119,27 +122,29 @@ class Case:
     def for_world_size(self, params: dict, world_size: int, overridden: Mapping[str, Any] = ()) -> dict:
         """``params`` for a job of ``world_size`` ranks (torchrun: the job's size decides).
 
-        By convention a case's ``world_size`` (int) or ``world_sizes`` (list)
-        parameter says how many ranks it runs; set from the job, or refused
-        when the user set it to something else.
+        The parameter with the role ``world_size`` (an int, or a list of one)
+        is set from the job, or refused when the user set it to something else.
         """
         params = dict(params)
-        for name, value in (("world_sizes", [world_size]), ("world_size", world_size)):
-            if name not in params:
-                continue
-            if name in overridden and params[name] != value:
-                raise ValueError(f"parameter {name!r} = {params[name]!r}, but this job has "
-                                 f"{world_size} ranks; drop -p {name} (the job's size decides it)")
-            params[name] = value
+        p = self.parameters.with_role("world_size")
+        if p is not None:
+            value = [world_size] if p.kind.startswith("list[") else world_size
+            if p.name in overridden and params.get(p.name) != value:
+                raise ValueError(f"parameter {p.name!r} = {params.get(p.name)!r}, but this job has "
+                                 f"{world_size} ranks; drop -p {p.name} (the job's size decides it)")
+            params[p.name] = value
         return self.check_params(params)
 
     # -- running ---------------------------------------------------------------------
 
     def launches(self, params: dict) -> list[LaunchPlan]:
-        """The launches one run needs; by default one of ``params["world_size"]`` gloo ranks."""
-        return [LaunchPlan(world_size=int(params.get("world_size", 2)),
-                           backend=params.get("backend", "gloo"), steps=params.get("steps"),
-                           label=f"W={params.get('world_size', 2)}")]
+        """The launches one run needs; by default one per size of the ``world_size`` role (2
+        without one), on the ``backend`` role's backend (gloo), reporting the ``steps`` role's steps."""
+        role = self.parameters.role_value
+        sizes = role(params, "world_size", 2)
+        return [LaunchPlan(world_size=int(w), backend=role(params, "backend", "gloo"),
+                           steps=role(params, "steps"), label=f"W={w}")
+                for w in (sizes if isinstance(sizes, list) else [sizes])]
 
     def worker(self, params: dict, **kwargs) -> Any:
         """What every rank runs (torch.distributed is initialized); reports with :func:`ddplab.emit`."""
@@ -201,6 +206,19 @@ class Case:
         if ax is not None and "ax" in inspect.signature(fn).parameters:
             return fn(records, params, ax=ax)
         return fn(records, params)
+
+    def table(self, name: str, records, params: dict):
+        """The table called ``name`` (see ``tables_by_name``): a DataFrame, or Markdown text.
+
+        ``params`` goes to table functions that take a ``params`` argument.
+        """
+        if name not in self.tables_by_name:
+            raise ValueError(f"case {self.name!r} has no table {name!r}; "
+                             f"it has {', '.join(self.tables_by_name) or 'none'}")
+        fn = self.tables_by_name[name]
+        if "params" in inspect.signature(fn).parameters:
+            return fn(records, params=params)
+        return fn(records)
 
     def figures(self, records, params: dict) -> list:
         """Every figure, the key figure first (the explorer shows them in this order)."""

@@ -94,9 +94,10 @@ class AllreduceCorrectness(Case):
     reproduces = "allreduce_correctness"
     parameters = ParameterSet([
         Parameter("world_size", 2, "number of towers, one rank each (the report: 2 GPUs; tower 0 "
-                  "uses aaa/W, every other tower bbb/W)", kind="int", minimum=2, maximum=16),
+                  "uses aaa/W, every other tower bbb/W)", kind="int", minimum=2, maximum=16,
+                  role="world_size"),
         Parameter("steps", 100, "training steps per mode (the report failed within 100)", kind="int",
-                  minimum=1, maximum=100_000),
+                  minimum=1, maximum=100_000, role="steps"),
         Parameter("mode", list(MODES), "reductions to run: fixed (agreed order), as_ready (one "
                   "all_reduce per gradient as autograd produces it), race (async, buffer written "
                   "before wait)", kind="list[str]", choices=MODES),
@@ -114,6 +115,7 @@ class AllreduceCorrectness(Case):
                        "pairing": figures.plot_pairing,
                        "signature": figures.plot_signature}
     key_figure = "errors_vs_bound"
+    tables_by_name = {"summary": figures.summary_table, "pairing": figures.pairing_table}
     run_label = "mode"
 
     def launches(self, params: dict) -> list[LaunchPlan]:
@@ -129,10 +131,6 @@ class AllreduceCorrectness(Case):
 
     def verdict(self, records, params: dict):
         return verdict.verdict(records, params)
-
-    # Tables the notebook shows beside the figures.
-    summary_table = staticmethod(figures.summary_table)
-    pairing_table = staticmethod(figures.pairing_table)
 
 
 CASE = AllreduceCorrectness()

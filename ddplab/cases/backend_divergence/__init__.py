@@ -69,7 +69,7 @@ class BackendDivergence(Case):
     reproduces = "backend_divergence"
     parameters = ParameterSet([
         Parameter("world_sizes", [2, 4], "numbers of ranks to compare (the report: 2 and 4 GPUs)",
-                  kind="list[int]", minimum=2, maximum=64),
+                  kind="list[int]", minimum=2, maximum=64, role="world_size"),
         Parameter("orders", ["gloo", "nccl_ring", "nccl_tree", "exact"],
                   "gloo (live backend); emulated: nccl_ring, nccl_tree, exact (the reference), "
                   "gloo_ring, sequential, pairwise; live NCCL (backend nccl): nccl_live_ring, nccl_live_tree",
@@ -77,7 +77,7 @@ class BackendDivergence(Case):
         Parameter("dtype", "float64", "dtype of model, data and gradients (the report: float64)",
                   choices=tuple(DTYPES)),
         Parameter("steps", 20, "training steps per run (the report printed 20 mini-batches)",
-                  kind="int", minimum=1),
+                  kind="int", minimum=1, role="steps"),
         Parameter("batch_size", 32, "mini-batch per rank (the report: 32)", kind="int", minimum=1),
         Parameter("lr", 0.1, "SGD learning rate (the report: 0.1)", kind="float", check=_positive),
         Parameter("model", "resnet", "resnet (small, CPU) or resnet50 (as the report, for GPUs)",
@@ -90,7 +90,8 @@ class BackendDivergence(Case):
                   kind="path", nullable=True),
         Parameter("seed", 0, "seed of the initialization every rank and run shares", kind="int",
                   minimum=0),
-        Parameter("backend", "gloo", "gloo (CPU) or nccl (one GPU per rank)", choices=("gloo", "nccl")),
+        Parameter("backend", "gloo", "gloo (CPU) or nccl (one GPU per rank)", choices=("gloo", "nccl"),
+                  role="backend"),
         # Every 4th: the audit of every step is a fifth of the case's time on 2 cores, and steps
         # 0, 4, ... already hold hundreds of buckets; the parameter digests cover every step.
         Parameter("audit_every", 4, "audit every run's reduction at steps 0, k, 2k, ... (1: every step)",
@@ -108,6 +109,7 @@ class BackendDivergence(Case):
                        "bucket_errors": figures.plot_bucket_errors, "loss_curves": figures.plot_loss_curves,
                        "grad_norms": figures.plot_grad_norms}
     key_figure = "param_distance"
+    tables_by_name = {"loss_gaps": loss_gaps}
     run_label = "run"
 
     def check(self, params: dict) -> None:
@@ -156,9 +158,6 @@ class BackendDivergence(Case):
 
     def verdict(self, records, params: dict):
         return verdict.verdict(records, params)
-
-    # A table the notebook and tests read beside the figures.
-    loss_gaps = staticmethod(loss_gaps)
 
 
 CASE = BackendDivergence()

@@ -54,7 +54,7 @@ class DeviceRoundtrip(Case):
     reproduces = "device_roundtrip"
     parameters = ParameterSet([
         Parameter("world_size", 2, "number of ranks (processes); the report used 2 GPUs",
-                  kind="int", minimum=2, maximum=8),
+                  kind="int", minimum=2, maximum=8, role="world_size"),
         Parameter("roundtrip", list(ROUNDTRIPS),
                   "round trips after wrapping: none (control), dtype (.double() then .float(), "
                   "runs on CPU), device (.cpu() then .cuda(), the report's, needs a GPU per rank)",
@@ -62,7 +62,8 @@ class DeviceRoundtrip(Case):
         Parameter("framework", list(FRAMEWORKS), "ddp (torch DistributedDataParallel) and/or "
                   "fabric (Lightning Fabric with its ddp strategy)", kind="list[str]",
                   choices=FRAMEWORKS),
-        Parameter("steps", 20, "SGD steps per configuration", kind="int", minimum=1, maximum=1000),
+        Parameter("steps", 20, "SGD steps per configuration", kind="int", minimum=1, maximum=1000,
+                  role="steps"),
         Parameter("roundtrip_step", 5, "the round trip happens before this step "
                   "(0: right after wrapping, as in the report)", kind="int", minimum=0),
         Parameter("seed", 0, "seed of the shared initial weights and of each rank's data",
@@ -74,6 +75,9 @@ class DeviceRoundtrip(Case):
                        "weight_distance": figures.plot_weight_distance,
                        "loss_gap": figures.plot_loss_gap, "loss": figures.plot_loss}
     key_figure = "timeline"
+    tables_by_name = {"skipped": figures.skipped_markdown, "alarms": figures.alarms_markdown,
+                      "summary": figures.summary_table, "alarm_log": figures.alarms_table,
+                      "loss_gaps": figures.loss_gap_table}
     run_label = "config"
 
     def check(self, params: dict) -> None:
@@ -98,13 +102,6 @@ class DeviceRoundtrip(Case):
 
     def verdict(self, records, params: dict):
         return verdict.verdict(records, params)
-
-    # Tables the notebook shows beside the figures.
-    summary_table = staticmethod(figures.summary_table)
-    alarms_table = staticmethod(figures.alarms_table)
-    alarms_markdown = staticmethod(figures.alarms_markdown)
-    skipped_markdown = staticmethod(figures.skipped_markdown)
-    loss_gap_table = staticmethod(figures.loss_gap_table)
 
 
 CASE = DeviceRoundtrip()

@@ -48,8 +48,10 @@ class HalfPrecision(Case):
     notebook = "02_half_precision_weights.ipynb"
     reproduces = "half_precision"
     parameters = ParameterSet([
-        Parameter("world_size", 2, "number of ranks (processes)", kind="int", minimum=1, maximum=8),
-        Parameter("dtypes", ["float16", "float32"], "weight dtypes to build the model in",
+        Parameter("world_size", 2, "number of ranks (processes)", kind="int", minimum=1, maximum=8,
+                  role="world_size"),
+        Parameter("dtypes", ["float16", "float32"], "weight dtypes to build the model in (must include "
+                  "float16, the report's)",
                   kind="list[str]", choices=DTYPES, check=_needs_float16),
         Parameter("seed", 42, "torch.manual_seed before building the model (the report's 42)",
                   kind="int", minimum=0, maximum=2**63 - 1),
@@ -67,6 +69,8 @@ class HalfPrecision(Case):
     figures_by_name = {"lanes": figures.plot_lanes, "running_sum": figures.plot_running_sum,
                        "fingerprints": figures.plot_fingerprints}
     key_figure = "lanes"
+    tables_by_name = {"fingerprints": figures.fingerprint_table, "norms": figures.norm_table,
+                      "versions": figures.versions_markdown}
     run_label = "dtype"
 
     def check(self, params: dict) -> None:
@@ -91,11 +95,6 @@ class HalfPrecision(Case):
 
     def verdict(self, records, params: dict):
         return verdict.verdict(records, params)
-
-    # Tables the notebook shows beside the figures.
-    fingerprint_table = staticmethod(figures.fingerprint_table)
-    norm_table = staticmethod(figures.norm_table)
-    versions_markdown = staticmethod(figures.versions_markdown)
 
 
 CASE = HalfPrecision()

@@ -44,7 +44,8 @@ class YourTraining(Case):
                   "what to compare with the reference: " + ", ".join(BUILTIN_CONFIGURATIONS) +
                   ", or module:function returning ddplab.compare configurations (e.g. a Custom step)",
                   kind="list[str]", check=lambda names: next(filter(None, map(configuration_entry, names)), None)),
-        Parameter("world_size", 2, "ranks of the built-in configurations", kind="int", minimum=1, maximum=8),
+        Parameter("world_size", 2, "ranks of the built-in configurations", kind="int", minimum=1, maximum=8,
+                  role="world_size"),
         Parameter("k", 4, "micro-batches per rank of 'accumulate'", kind="int", minimum=2, maximum=64),
         Parameter("steps", 0, "steps to compare (0: every batch of the setup)", kind="int", minimum=0),
         Parameter("timeout", 300.0, "seconds a launch may take before it counts as hung", kind="float",
@@ -55,6 +56,7 @@ class YourTraining(Case):
                        "grad_norm": figures.plot_grad_norm, "heatmap": figures.plot_heatmap,
                        "finding": figures.plot_finding}
     key_figure = "deviation"
+    tables_by_name = {"verdicts": verdicts_markdown}
     run_label = "config"
 
     def check(self, params: dict) -> None:
@@ -102,11 +104,6 @@ class YourTraining(Case):
 
     def verdict(self, records, params: dict):
         return comparison_verdict(records, case=self.name)
-
-    @staticmethod
-    def verdicts_markdown(records) -> str:
-        """One row per configuration: verdict, largest deviation, first divergence, finding."""
-        return verdicts_markdown(records)
 
 
 CASE = YourTraining()

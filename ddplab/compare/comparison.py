@@ -25,6 +25,7 @@ import torch
 
 from ddplab import launcher as _launcher
 from ddplab import records as _records
+from ddplab.compare import finite as _finite
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
 from ddplab.compare import referee as _referee
@@ -205,9 +206,8 @@ def _reference_records(root: str, runs: list[RunSpec], steps: int, dtype: torch.
     return recs, caps
 
 
-def _config_records(root: str, config: Configuration, run_id: str, steps: int, caps: dict,
-                    band: RunSpec, dtype: torch.dtype) -> tuple[list[dict], list[list[dict]]]:
-    ranks = [_captures(root, run_id, steps, r) for r in range(config.world_size)]
+def _config_records(config: Configuration, ranks: list[list[dict]], caps: dict,
+                    band: RunSpec, dtype: torch.dtype) -> list[dict]:
     truth, ref, matched = caps["truth"], caps["reference"], caps[band.run_id]
     done = min([len(ranks[0]), len(truth), len(ref), len(matched)])
     recs = []
@@ -219,7 +219,7 @@ def _config_records(root: str, config: Configuration, run_id: str, steps: int, c
                                               ranks[0][step][key], ref[step][key], config=config.label,
                                               others=others, band_label=band.label,
                                               unit_roundoff=_unit(band, dtype))
-    return recs, ranks
+    return recs
 
 
 def _reduction_records(config: Configuration, ranks: list[list[dict]]) -> list[dict]:
@@ -404,12 +404,18 @@ class _Session:
         records, done, facts = [], 0, {}
         if status not in ("not run", "unavailable"):
             band = _band_run(config, self.runs, self._precision(index, config))
-            recs, ranks = _config_records(self.root, config, f"config{index}", self.steps, caps, band,
-                                          self.facts["dtype"])
-            records += recs
+            ranks = [_captures(self.root, f"config{index}", self.steps, r) for r in range(config.world_size)]
             # Every rank's own count: a hang can leave rank 0 steps ahead of the others.
             done = min(len(r) for r in ranks)
             facts["rank_steps"] = ",".join(f"{r}:{len(caps_r)}" for r, caps_r in enumerate(ranks))
+            # From the first NaN or Inf on nothing is judged: the verdict rests on the steps before it.
+            finite, found = _finite.finite_steps(ranks, caps["reference"])
+            records += [dict(r, config=config.label) for r in found]
+            if finite is not None:
+                ranks = [r[:finite] for r in ranks]
+                caps = {key: value[:finite] for key, value in caps.items()}
+            recs = _config_records(config, ranks, caps, band, self.facts["dtype"])
+            records += recs
             records += _reduction_records(config, ranks)
             records += _replay.replay_records(self.setup, config, ranks, batches)
             promise = caps.get(_promise_id(self.runs, config))
@@ -418,7 +424,7 @@ class _Session:
             if promise is not None and _replay.unavailable(self.setup, config) is None:
                 records += _replay.semantic_records(self.setup, config, promise, caps)
             records += _localization.localize(self.setup, config, caps, ranks, recs)
-            records += self._own_evidence(index, config, caps)
+            records += self._own_evidence(index, config, caps, finite)
         records.append(_status_record(config, status, done, error,
                                       no_replay=_replay.unavailable(self.setup, config),
                                       random=self.facts["random"] or None,
@@ -426,7 +432,7 @@ class _Session:
                                       approximation=config.approximates(), **facts))
         return records
 
-    def _own_evidence(self, index: int, config: Configuration, caps: dict) -> list[dict]:
+    def _own_evidence(self, index: int, config: Configuration, caps: dict, finite: int | None) -> list[dict]:
         out = []
         for variant in ("twin", "float64"):
             if (config.label, variant) not in self.variants:
@@ -436,7 +442,8 @@ class _Session:
                 out.append(_unavailable_record(config, variant, failed))
                 continue
             run_id = f"config{index}-{variant}"
-            ranks = [_captures(self.root, run_id, self.steps, r) for r in range(config.world_size)]
+            ranks = [_captures(self.root, run_id, self.steps if finite is None else finite, r)
+                     for r in range(config.world_size)]
             if variant == "twin":
                 out += _twin.twin_records(config.label, ranks)
             else:

@@ -115,6 +115,47 @@ class Evidence:
     verdicts: tuple = ()
 
 
+# --------------------------------------------------------------------------- finite values
+
+
+def _read_finite(ctx: Context) -> Finding | None:
+    """Where a gradient or parameter first became NaN or Inf (:mod:`ddplab.compare.finite`)."""
+    found = rows(ctx.frame, "nonfinite", ctx.config)
+    if found.empty:
+        return None
+    mine = found[found["run"] == "configuration"].sort_values(["step", "rank"])
+    ref = found[found["run"] == "reference"]
+    values = dict(nonfinite_step=-1, nonfinite_rank=-1, nonfinite_param="", nonfinite_quantity="",
+                  nonfinite_count=0, reference_step=int(ref.iloc[0]["step"]) if not ref.empty else -1,
+                  reference_param=str(ref.iloc[0]["param"]) if not ref.empty else "")
+    if not mine.empty:
+        first = mine.iloc[0]
+        values.update(nonfinite_step=int(first["step"]), nonfinite_rank=int(first["rank"]),
+                      nonfinite_param=str(first["param"]), nonfinite_quantity=str(first["quantity"]),
+                      nonfinite_count=int(first["value"]))
+    # It holds (distribution kept the values finite) unless the configuration went non-finite before
+    # the reference did; a reference that goes non-finite as well says the data or model produce it.
+    ahead = values["nonfinite_step"] >= 0 and (values["reference_step"] < 0 or
+                                               values["nonfinite_step"] < values["reference_step"])
+    return Finding(key="finite", claim="Every gradient and parameter stays finite wherever the reference's does",
+                   holds=not ahead,
+                   template=("first non-finite value: step {nonfinite_step}, rank {nonfinite_rank}, "
+                             "{nonfinite_quantity} of {nonfinite_param}; the reference: step {reference_step} "
+                             "{reference_param} (-1: never); the steps before are judged"),
+                   values=values)
+
+
+def _proves_finite(finding: Finding, ctx: Context) -> Decision | None:
+    if finding.holds is not False:
+        return None
+    fv = finding.values
+    return Decision("bug", "finite", finding="nonfinite", first_divergence=fv["nonfinite_step"],
+                    values=dict(fv, first_rank=fv["nonfinite_rank"], first_param=fv["nonfinite_param"]),
+                    summary=("bug: at step {nonfinite_step} rank {nonfinite_rank}'s {nonfinite_quantity} of "
+                             "{nonfinite_param} holds {nonfinite_count} NaN or Inf value(s) where the "
+                             "single-process reference stays finite; the steps before are judged as usual"))
+
+
 # --------------------------------------------------------------------------- replicas
 
 
@@ -579,6 +620,11 @@ def read_band(ctx: Context, dev) -> Finding:
 
 
 EVIDENCE: tuple[Evidence, ...] = (
+    Evidence("finite", _read_finite, proves=_proves_finite, verdicts=(
+        ("bug", "a gradient or parameter of the configuration turned NaN or Inf at a step where the "
+                "single-process reference stays finite: the first step, rank and parameter (a reference "
+                "that turns non-finite too means the data or model produce it; either way the steps "
+                "before are judged)"),)),
     Evidence("replicas", _read_replicas, proves=_proves_replicas, verdicts=(
         ("bug", "after a synchronized step two ranks hold gradients or parameters that differ in any bit: "
                 "replicas must agree, no band makes that rounding (the replay then names the rank and phase "

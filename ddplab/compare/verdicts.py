@@ -153,6 +153,17 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     values.update(referee=decision.evidence, evidence=decision.evidence, finding=decision.finding or "none",
                   first_divergence=-1 if first is None else first)
     summary = decision.summary
+    finite = ctx.findings.get("finite")
+    if finite is not None and decision.evidence != "finite" and finite.values["nonfinite_step"] < 0:
+        values.update(finite.values)
+        summary += ("; the reference turns NaN or Inf from step {reference_step} ({reference_param}) while "
+                    "this configuration stays finite: only the {steps_compared} step(s) before are judged")
+    elif finite is not None and decision.evidence != "finite":
+        values.update(finite.values)
+        summary += ("; from step {nonfinite_step} the values turn NaN or Inf (rank {nonfinite_rank}, "
+                    "{nonfinite_quantity} of {nonfinite_param}) and the reference's do too (step "
+                    "{reference_step}): the data or the model produce them, not distribution, and "
+                    "only the {steps_compared} step(s) before are judged")
     if status != "completed":
         values.update(failure)
         summary = "{status} after {steps_completed} step(s) on every rank ({failed_where}); on those steps: " + summary

@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddplab import collectives, comm_hooks, launch
 from ddplab.collectives import CollectiveRecord, HookResult, verify
+from ddplab.sync_batchnorm import SyncBatchNorm
 
 STEPS = 3
 FAULT_STEP, FAULT_RANK = 2, 1
@@ -85,6 +86,22 @@ def _user_calls(rec, g):
     dist.all_to_all_single(torch.empty(2 * w), torch.randn(2 * w, generator=g))
     dist.all_reduce(torch.randn(5, generator=g), op=dist.ReduceOp.MAX)
     dist.barrier()
+    dist.all_reduce(torch.randn(6, generator=g), op=dist.ReduceOp.AVG)
+    dist.all_to_all_single(torch.empty(3 if rank == 0 else 5), torch.randn(4, generator=g),
+                           output_split_sizes=[1, 2] if rank == 0 else [3, 2],
+                           input_split_sizes=[1, 3] if rank == 0 else [2, 2])
+    with dist._coalescing_manager():        # one allreduce_coalesced; over 1 MiB: gloo's ring segments
+        for n in (3, 300_001):
+            dist.all_reduce(torch.randn(n, generator=g))
+    dist.gather(torch.randn(3, generator=g), [torch.empty(3) for _ in range(w)] if rank == 0 else None, dst=0)
+    dist.reduce(torch.randn(3, generator=g), dst=1)
+    if rank == 0:
+        dist.send(torch.randn(3, generator=g), dst=1)
+    else:
+        dist.recv(torch.empty(3), src=0)
+    rec.set_step(1)
+    bn = SyncBatchNorm(3)
+    bn(torch.randn(4, 3, 2, generator=g, requires_grad=True)).square().sum().backward()
 
 
 def _fsdp2(rec, g):
@@ -208,14 +225,17 @@ def test_a_recorded_output_off_by_one_ulp_is_a_mismatch_of_that_collective(w2):
 
 def test_user_calls_are_recorded_in_issue_order_with_their_dtype_and_verified(w2):
     result = _verified(w2, "user")
-    assert result.exact and not result.unverified
+    assert result.exact
     assert [r.op for r in _collectives(w2[0]["user"])] == [
         "allreduce", "broadcast", "allreduce", "all_gather_single", "reduce_scatter_single", "allgather",
-        "reduce_scatter", "all_to_all_single", "allreduce", "barrier"]
+        "reduce_scatter", "all_to_all_single", "allreduce", "barrier", "allreduce", "all_to_all_single",
+        "allreduce_coalesced", "gather", "reduce", "send", "allgather", "allreduce"]   # the last two: SyncBN
     recs = _collectives(w2[1]["user"])
-    assert [r.sequence for r in recs] == list(range(len(recs)))
-    assert (recs[1].root, recs[2].dtype, recs[8].reduce_op) == (1, "bfloat16", "max")
-    assert result.dtypes_by_step == {0: ("bfloat16", "float32")}
+    assert [r.sequence for r in recs if r.op != "recv"] == list(range(len(recs) - 1))
+    assert (recs[1].root, recs[2].dtype, recs[8].reduce_op, recs[10].reduce_op) == (1, "bfloat16", "max", "avg")
+    assert result.dtypes_by_step == {0: ("bfloat16", "float32"), 1: ("float32",)}
+    # gloo's reduce has no emulation here; send/recv are recorded, not verified.
+    assert sorted(u.op for u in result.unverified) == ["recv", "reduce", "send"]
     assert w2[0]["after"] and w2[1]["after"]
 
 

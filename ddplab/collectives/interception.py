@@ -51,7 +51,7 @@ from ddplab.collectives.ops import OP_SPECS, OpSpec
 __all__ = ["intercept"]
 
 #: ``on_issue(spec, args) -> token`` before the collective runs; ``on_result(token, spec, args, result)``
-#: after, returning what the kernel hands back (the result, or one with its Work wrapped).
+#: after the kernel ran, returning what the wrapper hands back (the kernel's result).
 OnIssue = Callable[[OpSpec, tuple], object]
 OnResult = Callable[[object, OpSpec, tuple, object], object]
 

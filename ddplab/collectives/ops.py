@@ -57,6 +57,10 @@ class OpSpec:
         return result[1] if self.returns_tuple else result
 
 
+def _tag(args: Args) -> dict:
+    return {"tag": int(args[3])}
+
+
 def _splits(args: Args) -> dict:
     return {"output_split_sizes": tuple(args[3]), "input_split_sizes": tuple(args[4])}
 
@@ -82,12 +86,13 @@ OP_SPECS: dict[str, OpSpec] = {s.c10d_op: s for s in (
            in_place=True),
     OpSpec("gather_", "gather", 2, _list(1), _nested(0), root_arg=3, returns_tuple=False),
     OpSpec("scatter_", "scatter", 2, _nested(1), _list(0), root_arg=3),
-    OpSpec("send", "send", 1, _list(0), _none, root_arg=2, returns_tuple=False),
-    OpSpec("recv_", "recv", 1, _none, _list(0), root_arg=2, returns_tuple=False),
+    OpSpec("send", "send", 1, _list(0), _none, root_arg=2, returns_tuple=False, extra=_tag),
+    OpSpec("recv_", "recv", 1, _none, _list(0), root_arg=2, returns_tuple=False, extra=_tag),
 )}
 
 #: Ops that reduce: the dtypes a step "reduced in" are theirs.
 REDUCTIONS = frozenset({"allreduce", "allreduce_coalesced", "reduce_scatter", "reduce_scatter_single",
                         "reduce_scatter_single_coalesced", "reduce"})
-#: Ops between two ranks: they take no place in the group's issue order.
+#: Ops between two ranks: they take no place in the group's issue order; the k-th send from s to d
+#: with a tag pairs with the k-th receive on d from s with that tag.
 POINT_TO_POINT = frozenset({"send", "recv"})

@@ -79,7 +79,7 @@ class CollectiveRecord(_Stored):
     input_shapes: tuple = ()
     output_shapes: tuple = ()
     input_digests: tuple[str, ...] = ()
-    output_digests: tuple[str, ...] | None = None    # None until the collective completed
+    output_digests: tuple[str, ...] | None = None    # None until it completed; () for send/recv (not copied)
     extra: dict = dataclasses.field(default_factory=dict)
     bucket: int | None = None        # the DDP bucket whose comm hook issued it
     error: str | None = None         # why the record is incomplete (the collective itself ran)

@@ -44,15 +44,6 @@ def _reduce_op(obj) -> str:
     return dist.ReduceOp.RedOpType(obj.op()).name.lower()
 
 
-def _failure(fut) -> BaseException | None:
-    """The exception a completed future holds, or None."""
-    try:
-        fut.value()
-    except BaseException as exc:  # noqa: BLE001 - returned, not raised
-        return exc
-    return None
-
-
 def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -176,18 +167,17 @@ class Recorder:
         future's waiters wake, which is before the future's callbacks run;
         FSDP2 divides its reduce-scatter output in place) comes after the
         copy. The cost is the overlap of communication with computation; the
-        arithmetic is unchanged. Point-to-point ops are not waited for (a
-        send waited for before the peer's receive is posted can hang both);
-        a receive's output is copied in the first callback on its future.
-        Never raises.
+        arithmetic is unchanged. Point-to-point ops are not waited for (two
+        ranks that each receive before they send would hang) and their
+        outputs are not copied (gloo's send/recv Works have no future to
+        observe them by). Never raises.
         """
+        if spec.op in POINT_TO_POINT:
+            self._outputs(rec, [])
+            return result
         outputs = spec.outputs(args)
         try:
             work = c10d.Work.unbox(spec.work(result))
-            if spec.op in POINT_TO_POINT:
-                future = work.get_future()
-                future.add_done_callback(lambda fut: self._outputs(rec, outputs, _failure(fut)))
-                return result
             work.wait()
         except Exception as exc:  # noqa: BLE001 - the collective failed; the caller's own wait says why
             self._outputs(rec, outputs, exc)

@@ -9,6 +9,7 @@ comm hook's result (:class:`~ddplab.collectives.record.HookResult`) must be
 the output of the last collective the hook issued, converted to the result's
 dtype (what ``allreduce_hook`` and the fp16/bf16 compression hooks return);
 one that is not the same size has no such check (PowerSGD's).
+Point-to-point ops are recorded but not verified.
 
 The result is typed (:class:`CollectiveVerification`: mismatches, the first
 one, what could not be verified and why, the dtypes each step reduced in) and
@@ -24,7 +25,7 @@ from typing import Iterable
 import torch
 
 from ddplab.collectives.emulation import Unverifiable, emulate
-from ddplab.collectives.ops import REDUCTIONS
+from ddplab.collectives.ops import POINT_TO_POINT, REDUCTIONS
 from ddplab.collectives.record import CollectiveRecord, HookResult
 from ddplab.numerics import SUPPORTED_DTYPES, ulp_distance
 from ddplab.records import record
@@ -156,6 +157,7 @@ class _Findings:
         self.checked += 1
         step = rec.step if step is None else step
         rank = rec.rank if rank is None else rank
+        bucket = rec.bucket if bucket is None else bucket
         labels = self.labels(rec, stage)
         self.rows.append(record("collective_elements_differing", differing, step=step, rank=rank,
                                 bucket=bucket, **labels))
@@ -204,6 +206,9 @@ def _verify_collective(recs: list[CollectiveRecord], out: _Findings) -> None:
     errors = [f"rank {r.rank}: {r.error}" for r in recs if r.error]
     if errors:
         out.skip(recs, "; ".join(errors))
+        return
+    if not all(r.complete for r in recs):
+        out.skip(recs, "the collective had not completed when the records were taken")
         return
     disagreement = _issue_disagreement(recs)
     if disagreement:
@@ -255,11 +260,15 @@ def verify(records) -> CollectiveVerification:
     collectives = [r for r in flat if isinstance(r, CollectiveRecord)]
     paired: dict[tuple, list[CollectiveRecord]] = {}
     for r in collectives:
-        key = (r.group, r.sequence) if r.sequence is not None else ("p2p", r.rank, r.index)
-        paired.setdefault(key, []).append(r)
+        if r.op not in POINT_TO_POINT:
+            paired.setdefault((r.group, r.sequence), []).append(r)
     out = _Findings()
     for recs in sorted(paired.values(), key=lambda rs: min((_step_key(r.step), r.index) for r in rs)):
         _verify_collective(recs, out)
+    for r in collectives:
+        if r.op in POINT_TO_POINT:
+            out.skip([r], "point-to-point ops are recorded, not verified: a receive is not waited for, "
+                          "so its output is not copied")
     own = {(r.rank, r.index): r for r in collectives}
     for hook in (r for r in flat if isinstance(r, HookResult)):
         _verify_hook(hook, own, out)

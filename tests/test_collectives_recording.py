@@ -10,6 +10,8 @@ sub-group's global ranks.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -104,13 +106,16 @@ def _user_calls(rec, g):
     bn(torch.randn(4, 3, 2, generator=g, requires_grad=True)).square().sum().backward()
 
 
-def _fsdp2(rec, g):
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(mp_policy=None):
+    def scenario(rec, g):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = _net()
-    fully_shard(model[0])
-    fully_shard(model)
-    _ddp_steps(rec, model, g)
+        kwargs = {} if mp_policy is None else {"mp_policy": MixedPrecisionPolicy(**mp_policy)}
+        model = _net()
+        fully_shard(model[0], **kwargs)
+        fully_shard(model, **kwargs)
+        _ddp_steps(rec, model, g)
+    return scenario
 
 
 def _dtensor(rec, g):
@@ -132,7 +137,8 @@ SCENARIOS = {
     "ddp_builtin_fp16": _ddp(builtin=dist.BuiltinCommHookType.FP16_COMPRESS),
     "ddp_fault": _ddp(hook=perturbing_hook, step_state=True),
     "user": _user_calls,
-    "fsdp2": _fsdp2,
+    "fsdp2": _fsdp2(),
+    "fsdp2_bf16_reduce": _fsdp2({"reduce_dtype": torch.bfloat16}),
     "dtensor": _dtensor,
 }
 
@@ -146,7 +152,7 @@ def record_scenarios(spill_dir: str) -> dict:
             scenario(rec, g)
         out[name] = rec.records()
     dist.all_reduce(torch.ones(3))      # outside any recording: not recorded
-    out["after"] = len(out["dtensor"]) == len(rec.records())
+    out["after"] = len(out[name]) == len(rec.records())
     with collectives.recording(spill_dir=spill_dir) as rec:
         _ddp()(rec, g)
     out["spilled"] = rec.records()
@@ -215,7 +221,7 @@ def test_a_recorded_output_off_by_one_ulp_is_a_mismatch_of_that_collective(w2):
     target = _collectives(ranks[0], "allreduce")[1]
     out = target.outputs()[0].clone()
     out.view(-1)[3] = torch.nextafter(out.view(-1)[3], torch.tensor(-float("inf")))
-    target.tensors = {**target.tensors, "outputs": [out]}
+    ranks[0][ranks[0].index(target)] = dataclasses.replace(target, tensors={**target.tensors, "outputs": [out]})
     result = verify(ranks)
     m = result.first_mismatch
     assert (m.step, m.rank, m.index, m.stage, m.elements_differing, m.max_ulp) == (1, 0, target.index,
@@ -239,13 +245,13 @@ def test_user_calls_are_recorded_in_issue_order_with_their_dtype_and_verified(w2
     assert w2[0]["after"] and w2[1]["after"]
 
 
-def test_fsdp2_all_gathers_and_reduce_scatters_are_verified(w2):
-    result = _verified(w2, "fsdp2")
+@pytest.mark.parametrize("name, reduce_dtype", [("fsdp2", "float32"), ("fsdp2_bf16_reduce", "bfloat16")])
+def test_fsdp2_all_gathers_and_reduce_scatters_are_verified_in_the_reduce_dtype(w2, name, reduce_dtype):
+    result = _verified(w2, name)
     assert result.exact and not result.unverified
-    ops = {r.op for r in _collectives(w2[0]["fsdp2"])}
-    assert {"all_gather_single", "reduce_scatter_single"} <= ops
-    checked = {r["op"] for r in result.records if r["metric"] == "collective_elements_differing"}
-    assert {"all_gather_single", "reduce_scatter_single"} <= checked
+    checked = {(r["op"], r["dtype"]) for r in result.records if r["metric"] == "collective_elements_differing"}
+    assert {("all_gather_single", "float32"), ("reduce_scatter_single", reduce_dtype)} <= checked
+    assert result.dtypes_by_step == {s: (reduce_dtype,) for s in range(STEPS)}
 
 
 def test_dtensor_and_functional_collectives_issued_from_cpp_are_verified(w2):

@@ -64,6 +64,23 @@ def bare_ddp(setup, steps: int) -> None:
         _builtin_step(trainer, setup, split(batch, world)[rank:rank + 1])
 
 
+def bare_custom(setup, config, steps: int) -> None:
+    """The user's own Custom step on the launch's ranks, its wrap, no capture: the user's run."""
+    import torch.distributed as dist
+
+    from ddplab.compare.configurations import StepContext
+    from ddplab.compare.runners import _custom_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _ = _custom_model(setup.build_model(), config)
+    optimizer = setup.optimizer(model.parameters())
+    for step, batch in enumerate(global_batches(setup, steps)):
+        micro = split(batch, world * config.k)[rank * config.k:(rank + 1) * config.k]
+        shard = tuple(torch.cat(parts) for parts in zip(*micro))
+        config.train_step(StepContext(model=model, optimizer=optimizer, loss=setup.loss, batch=batch, shard=shard,
+                                      micro_batches=micro, step=step, rank=rank, world_size=world, k=config.k))
+
+
 def overhead(rounds: int, steps: int) -> None:
     setup = examples.digits_setup(0, steps=steps)
     bare = lambda: (launch(bare_ddp, world_size=2, args=(setup, steps)),          # noqa: E731
@@ -76,6 +93,18 @@ def overhead(rounds: int, steps: int) -> None:
     ratios = interleaved({"compare.run DDP W=2": full}, bare, rounds)
     # The replay re-executes every rank's step in the parent: the issue's target is 2x the bare runs.
     print(ratio_table(ratios, {"compare.run DDP W=2": 2.0}, baseline_name="bare"))
+    # A Custom step: every evidence source that needs no specification (the twin, the float64 run,
+    # the recorded collectives) against the user's bare run and the bare reference runs.
+    custom = compare.Custom(2, k=2, train_step=examples.accumulate_correctly)
+    bare_user = lambda: (launch(bare_custom, world_size=2, args=(setup, custom, steps)),   # noqa: E731
+                         launch(bare_single, world_size=1, args=(setup, steps, None)),
+                         launch(bare_single, world_size=1, args=(setup, steps, torch.float64)))
+    full_user = lambda: compare.run(setup, [custom], progress=False)                       # noqa: E731
+    bare_user(), full_user()
+    print(f"overhead: compare.run(Custom accumulation W=2 k=2), {steps} steps, against the bare runs "
+          f"(the Custom step + reference + float64 shadow), {rounds} interleaved rounds")
+    ratios = interleaved({"compare.run Custom W=2": full_user}, bare_user, rounds)
+    print(ratio_table(ratios, {"compare.run Custom W=2": 2.0}, baseline_name="bare"))
 
 
 # --------------------------------------------------------------------------- false alarms and planted bugs

@@ -9,7 +9,6 @@ tolerance-only referee these Custom steps were judged by before.
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
 
@@ -76,13 +75,33 @@ def correct_steps(warm_launcher):
 def test_correct_custom_steps_read_rounding_earned_by_float64_and_the_twin(correct_steps):
     configs, result = correct_steps
     for config in configs:
-        if "hook" in config.label:
-            continue  # hand-written compression hooks: judged by their recorded collectives (below)
         v = result.verdict(config)
         assert v.kind in ("rounding", "exact", "approximation"), (config.label, v.headline)
         if v.kind == "rounding":
             assert v.evidence == "float64", (config.label, v.headline)
             assert v._finding("twin").holds
+
+
+def test_hand_written_compression_hooks_are_judged_at_the_precision_they_reduced_in(correct_steps):
+    configs, result = correct_steps
+    for config, dtype in ((configs[-2], "float16"), (configs[-1], "bfloat16")):
+        v = result.verdict(config)
+        assert (v.kind, v.evidence) == ("rounding", "float64"), v.headline
+        assert v.finding_values("float64")["judged_at"] == dtype
+        collectives = v.finding_values("collectives")
+        assert v._finding("collectives").holds and dtype in collectives["dtypes"]
+        bands = result.records[(result.records["metric"] == "band") & (result.records["config"] == config.label)]
+        assert set(bands["band_run"]) == {f"reference reduce {dtype}"}
+
+
+def test_a_hook_result_one_ulp_off_the_collective_is_found_by_the_recorded_collectives(warm_launcher):
+    config = compare.Custom(2, train_step=examples.plain_step, wrap=faults.wrap_with_ulp_hook)
+    v = compare.run(examples.digits_setup(0, steps=STEPS), config, progress=False).verdict(config)
+    # Every rank does it alike: the replicas and the twin agree, float64 cannot see an ulp of float32.
+    assert (v.kind, v.evidence, v.finding) == ("bug", "collectives", "collective"), v.headline
+    assert v._finding("ranks_agree").holds
+    assert (v.values["collective_step"], v.values["collective_stage"]) == (0, "comm_hook_result")
+    assert v.values["collective_differing"] == 1 and v.values["collective_ulp"] == 1
 
 
 def test_autocast_is_measured_against_a_reference_in_its_precision(correct_steps):
@@ -93,16 +112,20 @@ def test_autocast_is_measured_against_a_reference_in_its_precision(correct_steps
     assert "reference bfloat16" in [r.label for r in result.runs]
 
 
-def test_a_declared_approximation_is_never_rounding(warm_launcher):
-    config = compare.Custom(2, train_step=examples.plain_step, approximation="a gradient I round on purpose",
-                            wrap=functools.partial(examples.ddp_with_own_hook, examples.own_bf16_hook))
-    v = compare.run(examples.digits_setup(0, steps=STEPS), config, progress=False).verdict(config)
-    assert (v.kind, v.evidence) == ("approximation", "approximation")
-    assert v.values["approximation"] == "a gradient I round on purpose"
-    assert v.values["symmetric"] == "yes" and v.values["approximation_relative"] > 1e-6
+def test_the_notebook_demo_shows_each_verdict_of_the_evidence_needing_no_specification(warm_launcher):
+    setup, configs = faults.own_code_demo(steps=STEPS)
+    result = compare.run(setup, configs, progress=False)
+    seen = [(result.verdict(c).kind, result.verdict(c).evidence) for c in configs]
+    assert seen == [("rounding", "float64"), ("bug", "twin"), ("bug", "float64"),
+                    ("approximation", "approximation")]
+    approximation = result.verdict(configs[-1])
+    assert approximation.values["approximation"] == configs[-1].approximation
+    # bfloat16 on purpose: far beyond float64's rounding, and every rank computed it alike
+    assert approximation.values["symmetric"] == "yes" and approximation.values["approximation_relative"] > 1e-6
 
 
 def test_the_readme_verdict_table_is_rendered_from_the_registry():
     from readme import readme_section
 
-    assert evidence.verdict_table() in readme_section("Your own training: `ddplab.compare`")
+    assert evidence.verdict_table() in readme_section("Your own training: `ddplab.compare`"), \
+        "re-render it: python -m ddplab.compare.evidence README.md"

@@ -128,6 +128,18 @@ def test_the_place_names_the_innermost_frame_and_the_wait():
     assert place_of("") is None
 
 
+def test_a_wait_inside_ddplabs_collective_recorder_is_a_wait_in_the_collective():
+    frames = (Frame("/usr/lib/python3.11/threading.py", 331, "wait"),
+              Frame("/x/ddplab/collectives/recorder.py", 97, "wait"),
+              Frame("/x/ddplab/collectives/interception.py", 60, "kernel"),
+              Frame(f"{TORCH}/_ops.py", 800, "__call__"),
+              Frame(f"{TORCH}/distributed/distributed_c10d.py", 3252, "all_reduce"),
+              Frame("<dynamic-code>", 8, "train"))
+    assert in_collective(frames)
+    # the recorder alone, called from the user's own code, is no wait
+    assert not in_collective(frames[:2] + frames[-1:])
+
+
 def test_windows_paths_are_matched_too():
     frames = (Frame(r"C:\py\Lib\site-packages\torch\distributed\distributed_c10d.py", 1, "barrier"),)
     assert in_collective(frames)

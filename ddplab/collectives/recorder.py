@@ -89,6 +89,14 @@ class Recorder:
         with self._lock:
             return list(self._records)
 
+    def take(self) -> list[CollectiveRecord | HookResult]:
+        """Every record so far, as :meth:`records`, and forget them: a step's records leave the rank
+        with its capture, so memory does not grow with the number of steps."""
+        self.wait()
+        with self._lock:
+            out, self._records = self._records, []
+        return out
+
     def wait(self) -> None:
         """Block until every recorded collective and hook result has completed (``wait_timeout`` s)."""
         with self._settled:

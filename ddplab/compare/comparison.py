@@ -26,13 +26,15 @@ import torch
 from ddplab import launcher as _launcher
 from ddplab import records as _records
 from ddplab.compare import finite as _finite
+from ddplab.compare import recorded as _recorded
+from ddplab.compare.captures import CaptureCache, Captures
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
 from ddplab.compare import referee as _referee
 from ddplab.compare import replay as _replay
 from ddplab.compare import twin as _twin
 from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
-from ddplab.compare.runners import (RunSpec, configuration_worker, load_capture, reference_runs,
+from ddplab.compare.runners import (RunSpec, configuration_worker, precision_reference, reference_runs,
                                     reference_worker)
 from ddplab.compare.setup import Setup, SetupError, check_setup, global_batches
 from ddplab.compare.verdicts import ConfigVerdict, comparison_verdict, judge, verdicts_markdown
@@ -145,16 +147,6 @@ def _unavailable(config: Configuration) -> str | None:
 # --------------------------------------------------------------------------- analysis
 
 
-def _captures(root: str, run_id: str, steps: int, rank: int) -> list[dict]:
-    out = []
-    for step in range(steps):
-        cap = load_capture(root, run_id, step, rank)
-        if cap is None:
-            break
-        out.append(cap)
-    return out
-
-
 def _band_run(config: Configuration, runs: list[RunSpec], precision: tuple | None = None) -> RunSpec:
     param_dtype, reduce_dtype = precision or config.dtypes()
     for spec in runs:
@@ -190,8 +182,9 @@ def _unit(spec: RunSpec, dtype: torch.dtype) -> float:
     return unit_roundoff(spec.param_dtype or spec.dtype or dtype)
 
 
-def _reference_records(root: str, runs: list[RunSpec], steps: int, dtype: torch.dtype) -> tuple[list[dict], dict]:
-    caps = {spec.run_id: _captures(root, spec.run_id, steps, 0) for spec in runs}
+def _reference_records(cache: CaptureCache, root: str, runs: list[RunSpec], steps: int,
+                       dtype: torch.dtype) -> tuple[list[dict], dict]:
+    caps = {spec.run_id: Captures.on_disk(cache, root, spec.run_id, 0, steps) for spec in runs}
     truth = caps["truth"]
     recs = []
     for spec in runs:
@@ -277,11 +270,11 @@ def own_evidence(setup: Setup, config: Configuration) -> bool:
 
 def _float64_precision(config: Configuration, run: list[dict]) -> torch.dtype | None:
     """The lowest precision the float64 run still computed in: the configuration's own mixed
-    precision, its compression hook, the dtypes its modules returned."""
-    names = [d for d in config.dtypes() if d is not None]
-    names = [str(d).replace("torch.", "") for d in names]
+    precision, its compression hook, the dtypes its modules returned and its reductions ran in."""
+    names = [str(d).replace("torch.", "") for d in config.dtypes() if d is not None]
     if _compression(config):
         names.append(_compression(config))
+    names += sorted(_recorded.reduction_dtypes(run))
     for cap in run:
         names += list(cap.get("forward_dtypes", []))
     return _float64.lowest_precision(names)
@@ -295,12 +288,19 @@ def _float64_records(setup: Setup, config: Configuration, run: list[dict], caps:
     return _float64.distance_records("float64", setup, config, run, caps, tolerance, judged_at=judged_at)
 
 
-def _detected_precision(config: Configuration, ranks: list[list[dict]], dtype: torch.dtype) -> torch.dtype | None:
-    """A compute precision below the model's that the run showed (autocast) but did not declare."""
+def _detected_precision(config: Configuration, ranks: list[list[dict]], dtype: torch.dtype) -> tuple | None:
+    """``(param_dtype, reduce_dtype)`` below the model's that the run showed but did not declare: modules
+    that returned a lower precision (autocast), gradient reductions in a lower precision (a hook)."""
     if config.dtypes() != (None, None) or not ranks or not ranks[0]:
         return None
-    low = _float64.lowest_precision(ranks[0][0].get("forward_dtypes", []))
-    return low if low is not None and unit_roundoff(low) > unit_roundoff(dtype) else None
+    first = [ranks[0][0]]
+
+    def below(names):
+        low = _float64.lowest_precision(names)
+        return low if low is not None and unit_roundoff(low) > unit_roundoff(dtype) else None
+
+    shown = below(first[0].get("forward_dtypes", [])), below(_recorded.reduction_dtypes(first))
+    return shown if shown != (None, None) else None
 
 
 def _unavailable_record(config: Configuration, evidence: str, reason: str) -> dict:
@@ -321,6 +321,13 @@ class _Session:
         self.statuses: dict[str, tuple[str, BaseException | None]] = {}
         self.variants: dict[tuple[str, str], str | None] = {}   # (config, variant) -> why it failed, or None
         self.stopped = False
+        # A step's captures of every rank and reference run, and the step before (the replay's start):
+        # judged a step at a time, the parent holds these few, whatever the number of steps.
+        self.cache = CaptureCache(2 * max(c.world_size for c in configs) + 2 * len(runs) + 2)
+
+    def captures(self, run_id: str, rank: int, steps: int | None = None) -> Captures:
+        """Rank ``rank``'s captures of ``run_id``, read when a step is needed."""
+        return Captures.on_disk(self.cache, self.root, run_id, rank, self.steps if steps is None else steps)
 
     def references(self, runs: list[RunSpec]) -> None:
         """The single-process runs; a failure there leaves nothing to compare with."""
@@ -379,8 +386,8 @@ class _Session:
 
     def _precision(self, index: int, config: Configuration) -> tuple:
         """The precision ``config``'s band is measured in: declared, or shown by its modules' outputs."""
-        low = _detected_precision(config, [_captures(self.root, f"config{index}", 1, 0)], self.facts["dtype"])
-        return (low, None) if low is not None else config.dtypes()
+        shown = _detected_precision(config, [self.captures(f"config{index}", 0, 1)], self.facts["dtype"])
+        return shown or config.dtypes()
 
     def detected_references(self) -> None:
         """A reference in each compute precision a configuration showed without declaring it."""
@@ -388,12 +395,12 @@ class _Session:
         for index, config in enumerate(self.configs):
             if self.statuses[config.label][0] in ("not run", "unavailable"):
                 continue
-            low, _ = self._precision(index, config)
-            if low is None or config.dtypes() != (None, None) or low in extra:
+            precision = self._precision(index, config)
+            if precision == (None, None) or config.dtypes() != (None, None) or precision in extra:
                 continue
-            if not any(r.param_dtype == low and r.reduce_dtype is None and r.world_size == 1 for r in self.runs):
-                name = str(low).replace("torch.", "")
-                extra[low] = RunSpec(f"reference {name}", f"ref{len(self.runs) + len(extra)}", param_dtype=low)
+            if not any((r.param_dtype, r.reduce_dtype) == precision and r.world_size == 1 and r.label != "truth"
+                       for r in self.runs):
+                extra[precision] = precision_reference(*precision, run_id=f"ref{len(self.runs) + len(extra)}")
         if extra and not self.stopped:
             self.references(list(extra.values()))
             self.runs += list(extra.values())
@@ -404,7 +411,7 @@ class _Session:
         records, done, facts = [], 0, {}
         if status not in ("not run", "unavailable"):
             band = _band_run(config, self.runs, self._precision(index, config))
-            ranks = [_captures(self.root, f"config{index}", self.steps, r) for r in range(config.world_size)]
+            ranks = [self.captures(f"config{index}", r) for r in range(config.world_size)]
             # Every rank's own count: a hang can leave rank 0 steps ahead of the others.
             done = min(len(r) for r in ranks)
             facts["rank_steps"] = ",".join(f"{r}:{len(caps_r)}" for r, caps_r in enumerate(ranks))
@@ -417,6 +424,7 @@ class _Session:
             recs = _config_records(config, ranks, caps, band, self.facts["dtype"])
             records += recs
             records += _reduction_records(config, ranks)
+            records += _recorded.collective_records(config, ranks, self.facts["dtype"])
             records += _replay.replay_records(self.setup, config, ranks, batches)
             promise = caps.get(_promise_id(self.runs, config))
             # A model whose modules issue collectives (SyncBatchNorm) promises something else
@@ -442,7 +450,7 @@ class _Session:
                 out.append(_unavailable_record(config, variant, failed))
                 continue
             run_id = f"config{index}-{variant}"
-            ranks = [_captures(self.root, run_id, self.steps if finite is None else finite, r)
+            ranks = [self.captures(run_id, r, self.steps if finite is None else finite)
                      for r in range(config.world_size)]
             if variant == "twin":
                 out += _twin.twin_records(config.label, ranks)
@@ -498,7 +506,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
                 session.configuration(index, config)
             session.detected_references()
             records = list(streamed)
-            ref_recs, caps = _reference_records(root, session.runs, steps, facts["dtype"])
+            ref_recs, caps = _reference_records(session.cache, root, session.runs, steps, facts["dtype"])
             records += ref_recs
             for index, config in enumerate(configs):
                 records += session.analyse(index, config, caps, batches)

@@ -204,6 +204,64 @@ def _proves_replicas(finding: Finding, ctx: Context) -> Decision | None:
                              "rank 0's{replay_text}"))
 
 
+# --------------------------------------------------------------------------- every collective, recorded
+
+
+def _read_collectives(ctx: Context) -> Finding | None:
+    """Every recorded collective against its emulation, and its dtype against the one declared."""
+    found = rows(ctx.frame, "collective_elements_differing", ctx.config)
+    dtypes = rows(ctx.frame, "collective_dtype", ctx.config)
+    if found.empty and dtypes.empty:
+        return None
+    bad = found[found["value"] > 0].sort_values(["step", "index", "rank"]) if not found.empty else found
+    unverified = rows(ctx.frame, "collective_unverified", ctx.config)
+    wrong = dtypes[(dtypes["declared"] != "") & (dtypes["declared"] != dtypes["dtype"])] if not dtypes.empty else dtypes
+    values = dict(verified=int(len(found)), unverified=int(len(unverified)),
+                  dtypes=sorted({str(d) for d in dtypes["dtype"]}) if not dtypes.empty else [],
+                  declared=sorted({str(d) for d in dtypes["declared"] if d}) if not dtypes.empty else [],
+                  collective_step=-1, collective_rank=-1, collective_op="", collective_group="",
+                  collective_dtype="", collective_index=-1, collective_differing=0, collective_ulp=math.nan,
+                  collective_stage="", wrong_dtype_step=-1, wrong_dtype_op="", wrong_dtype="", wrong_dtype_declared="")
+    if not bad.empty:
+        first = bad.iloc[0]
+        ulp = rows(ctx.frame, "collective_max_ulp", ctx.config)
+        ulp = ulp[(ulp["step"] == first["step"]) & (ulp["index"] == first["index"]) & (ulp["rank"] == first["rank"])
+                  & (ulp["stage"] == first["stage"])]
+        values.update(collective_step=int(first["step"]), collective_rank=int(first["rank"]),
+                      collective_op=str(first["op"]), collective_group=str(first["group"]),
+                      collective_dtype=str(first["dtype"]), collective_index=int(label(first, "collective", -1)),
+                      collective_differing=int(first["value"]), collective_stage=str(first["stage"]),
+                      collective_ulp=float(ulp.iloc[0]["value"]) if not ulp.empty else math.nan)
+    if not wrong.empty:
+        w = wrong.sort_values("step").iloc[0]
+        values.update(wrong_dtype_step=int(w["step"]), wrong_dtype_op=str(w["op"]), wrong_dtype=str(w["dtype"]),
+                      wrong_dtype_declared=str(w["declared"]))
+    return Finding(key="collectives",
+                   claim=("Every collective's output equals the emulation of every rank's inputs bit for bit, "
+                          "and every gradient reduction runs in the dtype declared"),
+                   holds=bad.empty and wrong.empty,
+                   template=("{verified} collective outputs verified ({unverified} not verifiable); reductions ran "
+                             "in {dtypes} (declared: {declared})"),
+                   values=values)
+
+
+def _proves_collectives(finding: Finding, ctx: Context) -> Decision | None:
+    if finding.holds is not False:
+        return None
+    cv = finding.values
+    if cv["collective_step"] >= 0:
+        return Decision("bug", "collectives", finding="collective", first_divergence=cv["collective_step"],
+                        values=dict(cv, first_rank=cv["collective_rank"], first_param=f"{cv['collective_op']}"),
+                        summary=("bug: at step {collective_step} rank {collective_rank}'s {collective_op} "
+                                 "#{collective_index} on ranks {collective_group} ({collective_dtype}) differs from "
+                                 "the emulation of every rank's inputs in {collective_differing} element(s), up to "
+                                 "{collective_ulp} ulp ({collective_stage})"))
+    return Decision("bug", "collectives", finding="precision", first_divergence=cv["wrong_dtype_step"],
+                    values=dict(cv, first_rank=-1, first_param=cv["wrong_dtype_op"]),
+                    summary=("bug: from step {wrong_dtype_step} the gradients' {wrong_dtype_op} runs in "
+                             "{wrong_dtype}, not in the {wrong_dtype_declared} the configuration declares"))
+
+
 # --------------------------------------------------------------------------- the specification replay
 
 
@@ -629,6 +687,11 @@ EVIDENCE: tuple[Evidence, ...] = (
         ("bug", "after a synchronized step two ranks hold gradients or parameters that differ in any bit: "
                 "replicas must agree, no band makes that rounding (the replay then names the rank and phase "
                 "that started it)"),)),
+    Evidence("collectives", _read_collectives, proves=_proves_collectives, verdicts=(
+        ("bug", "every collective the ranks issued (DDP's reducer, comm hooks, FSDP2, SyncBatchNorm, your own "
+                "`dist.*` calls) is recorded; one whose output differs from the emulation of every rank's "
+                "recorded inputs in any bit, or a gradient reduction in another dtype than declared (a "
+                "`reduce_dtype` not applied), is a bug: step, rank, op, group, dtype, elements, ulps"),)),
     Evidence("replay", _read_replay, proves=_proves_replay, clears=_clears_replay, verdicts=(
         ("bug", "some rank's local gradient, reduced bucket or update differs from ddplab's specification "
                 "replay of that rank's step, by any amount (one ulp in one element counts): the first step, "
@@ -689,10 +752,29 @@ def decide(ctx: Context) -> Decision:
 
 
 def verdict_table() -> str:
-    """The verdict table of the README, rendered from :data:`EVIDENCE` (strongest first)."""
+    """The verdict table of the README, rendered from :data:`EVIDENCE` (strongest first).
+
+    ``python -m ddplab.compare.evidence README.md`` writes it into the README in place.
+    """
     lines = ["| verdict | evidence | meaning |", "|---|---|---|"]
     for source in EVIDENCE:
         for kind, meaning in source.verdicts:
             bold = " / ".join(f"**{k}**" for k in kind.split(" / "))
             lines.append(f"| {bold} | `{source.name}` | {meaning} |")
     return "\n".join(lines)
+
+
+def _write_into(path: str) -> None:
+    """Replace the README's evidence table (from its header to the run-status rows) with :func:`verdict_table`."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("| verdict | evidence | meaning |")
+    end = text.index("| **crashed** / **hung** |", start)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text[:start] + verdict_table() + "\n" + text[end:])
+
+
+if __name__ == "__main__":
+    import sys
+
+    _write_into(sys.argv[1] if len(sys.argv) > 1 else "README.md")

@@ -37,7 +37,8 @@ from ddplab.compare.examples import _build, _optimizer, digits_setup
 from ddplab.compare.replay import register_reduction, reduction_emulation
 from ddplab.compare.setup import Setup
 
-__all__ = ["KINDS", "FSDP_KINDS", "CUSTOM_KINDS", "MAGNITUDES", "PlantedFault", "plant", "plant_custom",
+__all__ = ["KINDS", "FSDP_KINDS", "CUSTOM_KINDS", "MAGNITUDES", "PlantedFault", "plant", "plant_custom", "own_code_demo",
+           "ulp_after_allreduce_hook", "wrap_with_ulp_hook",
            "faulty_step"]
 
 KINDS = ("local_gradient", "reduced_gradient", "optimizer", "skipped_micro_batch",
@@ -247,3 +248,42 @@ def plant_custom(kind: str, magnitude=1e-6, *, seed: int = 0, steps: int = 3, wo
     config = Custom(world_size, k=2, train_step=step)
     phase = {"optimizer": "replicas", "every_rank_scale": "float64", "every_rank_factor": "float64"}.get(kind, "twin")
     return PlantedFault(kind, magnitude, setup, config, step=0, rank=rank, phase=phase)
+
+
+def own_code_demo(seed: int = 0, steps: int = 2, world_size: int = 2) -> tuple[Setup, list[Configuration]]:
+    """One Custom step per verdict of the evidence that needs no specification, on the digits setup:
+    a correct step (rounding, earned by the float64 run and the twin), a one-ulp loss term on rank 1
+    (bug, by the twin), a layer every rank rescales by 1e-6 (bug, by the float64 run), and a declared
+    approximation (a gradient rounded to bfloat16 on purpose by the user's own hook)."""
+    from ddplab.compare.examples import accumulate_correctly, ddp_with_own_hook, own_bf16_hook, plain_step
+
+    setup = digits_setup(seed, steps=steps)
+    return setup, [
+        Custom(world_size, k=2, train_step=accumulate_correctly),
+        plant_custom("loss_term", "ulp", seed=seed, steps=steps, world_size=world_size).config,
+        plant_custom("every_rank_scale", 1e-6, seed=seed, steps=steps, world_size=world_size).config,
+        Custom(world_size, train_step=plain_step, wrap=functools.partial(ddp_with_own_hook, own_bf16_hook),
+               approximation="gradients rounded to bfloat16 on purpose", name=f"bf16 on purpose W={world_size}")]
+
+
+def ulp_after_allreduce_hook(state, bucket):
+    """Planted: a hand-written averaging hook whose result is one ulp above what the all-reduce
+    returned, on every rank (the replicas agree; only the recorded collectives can tell)."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    work = dist.all_reduce(buffer, async_op=True)
+
+    def bump(fut):
+        out = fut.value()[0].clone()
+        out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))
+        return out
+
+    return work.get_future().then(bump)
+
+
+def wrap_with_ulp_hook(model: nn.Module) -> nn.Module:
+    """``wrap`` for a Custom step: DDP with :func:`ulp_after_allreduce_hook`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(None, ulp_after_allreduce_hook)
+    return ddp

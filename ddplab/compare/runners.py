@@ -50,7 +50,8 @@ from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_bat
                                   global_batches, model_digest, named_trainable, split)
 
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
-           "capture_path", "load_capture", "reference_worker", "VARIANTS",
+           "capture_path", "load_capture", "reference_worker", "VARIANTS", "collective_state", "collective_record",
+           "precision_reference", "TRAINERS", "register_trainer",
            "configuration_worker", "reference_runs"]
 
 
@@ -183,7 +184,7 @@ class Capture:
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
                  label: str, rank: int, buckets: BucketCapture | None = None,
-                 module: torch.nn.Module | None = None):
+                 module: torch.nn.Module | None = None, recorder: Any = None):
         self.named = named
         self.optimizer = optimizer
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
@@ -195,12 +196,15 @@ class Capture:
         self.module = module
         self.digests = ForwardDigests(module) if module is not None else None
         self.before: dict = {}
+        self.recorder = recorder
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
 
-    def begin(self) -> None:
+    def begin(self, step: int | None = None) -> None:
         """Note the rank's state before a step: what the replay starts that step from."""
+        if self.recorder is not None and step is not None:
+            self.recorder.set_step(step)
         self.before = dict(rng=torch.get_rng_state(), threads=torch.get_num_threads())
         if self.module is not None:
             self.before["buffers"] = {n: _full(b) for n, b in self.module.named_buffers()}
@@ -229,6 +233,8 @@ class Capture:
         if self.digests is not None:
             data["forward"] = self.digests.take()
             data["forward_dtypes"] = sorted(self.digests.dtypes)
+        if self.recorder is not None:
+            data["collectives"] = [collective_state(r) for r in self.recorder.take()]
         path = capture_path(self.root, self.run_id, step, self.rank)
         torch.save(data, path + ".tmp")
         os.replace(path + ".tmp", path)  # a capture that exists is complete
@@ -240,6 +246,22 @@ class Capture:
         self.grads = self.params = self.optim = None
         self.before = {}
         self.calls = 0
+
+
+def collective_state(record) -> dict:
+    """A recorded collective or comm-hook result as plain data (what ``torch.load(weights_only=True)`` reads)."""
+    state = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    state["type"] = type(record).__name__
+    return state
+
+
+def collective_record(state: dict):
+    """The :class:`ddplab.collectives.CollectiveRecord` or ``HookResult`` :func:`collective_state` wrote."""
+    from ddplab.collectives import CollectiveRecord, HookResult
+
+    state = dict(state)
+    cls = {"CollectiveRecord": CollectiveRecord, "HookResult": HookResult}[state.pop("type")]
+    return cls(**state)
 
 
 def _loss_value(value) -> float | None:
@@ -278,6 +300,14 @@ def promise_label(world_size: int, k: int) -> str:
     return f"promise W={world_size} k={k}"
 
 
+def precision_reference(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, *, run_id: str) -> RunSpec:
+    """The single-process reference computing in ``param_dtype`` with gradients rounded to ``reduce_dtype``."""
+    parts = [p for p in (param_dtype and _dtype_name(param_dtype),
+                         reduce_dtype and reduce_dtype != param_dtype and f"reduce {_dtype_name(reduce_dtype)}")
+             if p]
+    return RunSpec("reference " + "/".join(parts), run_id, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
 def reference_runs(configurations: list[Configuration], *, promises: bool = True) -> list[RunSpec]:
     """The reference, the float64 truth, one precision-matched reference per mixed precision, and
     (``promises``) the float64 data-parallel promise of every (W, k) a built-in configuration uses."""
@@ -288,12 +318,7 @@ def reference_runs(configurations: list[Configuration], *, promises: bool = True
         if precision == (None, None) or precision in seen:
             continue
         seen.add(precision)
-        param_dtype, reduce_dtype = precision
-        parts = [p for p in (param_dtype and _dtype_name(param_dtype),
-                             reduce_dtype and reduce_dtype != param_dtype and f"reduce {_dtype_name(reduce_dtype)}")
-                 if p]
-        label = "reference " + "/".join(parts)
-        runs.append(RunSpec(label, f"ref{len(runs)}", param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+        runs.append(precision_reference(*precision, run_id=f"ref{len(runs)}"))
     shapes = dict.fromkeys((c.world_size, c.k) for c in configurations if not isinstance(c, Custom))
     if promises:
         for world, k in shapes:
@@ -492,16 +517,29 @@ def _seed_alike(step: int) -> None:
     np.random.seed(seed)
 
 
+#: How each built-in configuration wraps the model: configuration type -> ``fn(raw, setup, config)``
+#: returning a :class:`_Trainer`. A new configuration registers its wrapper here
+#: (:func:`register_trainer`); the most derived registered type wins.
+TRAINERS: dict[type, Callable] = {}
+
+
+def register_trainer(config_type: type, wrap: Callable) -> None:
+    """Train configurations of ``config_type`` with ``wrap(raw, setup, config) -> _Trainer``."""
+    TRAINERS[config_type] = wrap
+
+
+register_trainer(DDP, lambda raw, setup, config: _ddp(raw, setup, config))
+register_trainer(Fabric, lambda raw, setup, config: _fabric(raw, setup, config))
+register_trainer(FSDP2, lambda raw, setup, config: _fsdp2(raw, setup, config))
+
+
 def _trainer(raw: torch.nn.Module, setup: Setup, config: Configuration) -> _Trainer | None:
     """The wrapped model of a built-in configuration (None for a Custom step)."""
     if isinstance(config, Custom):
         return None
-    if isinstance(config, Fabric):
-        return _fabric(raw, setup, config)
-    if isinstance(config, FSDP2):
-        return _fsdp2(raw, setup, config)
-    if isinstance(config, DDP):
-        return _ddp(raw, setup, config)
+    for cls in type(config).__mro__:
+        if cls in TRAINERS:
+            return TRAINERS[cls](raw, setup, config)
     raise ValueError(f"no runner for configuration {type(config).__name__}")
 
 
@@ -515,6 +553,16 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    from ddplab import collectives
+
+    # Every collective the ranks issue -- DDP's reducer, hooks, FSDP2, the user's own dist.* calls --
+    # is recorded; each step's records leave with the step's capture.
+    with collectives.recording() as recorder:
+        return _train(setup, config, steps, root, run_id, digest, variant, recorder)
+
+
+def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: str, digest: str,
+           variant: str, recorder) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Every record of this launch -- a user comm hook's too -- names the configuration.
     _records.set_labels(config=config.label)
@@ -532,7 +580,7 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
         optimizer, buckets = trainer.raw_optimizer, trainer.buckets
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
-                      rank=rank, buckets=buckets, module=raw)
+                      rank=rank, buckets=buckets, module=raw, recorder=recorder)
     for step, batch in enumerate(batches):
         if variant == "twin":
             # The global batch as W copies of rank 0's share: however the step splits it by rank,
@@ -540,7 +588,7 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
             share = split(batch, world)[0]
             batch = tuple(torch.cat([t] * world) for t in share)
             _seed_alike(step)
-        capture.begin()
+        capture.begin(step)
         pieces = split(batch, world * config.k)
         micro = pieces[rank * config.k:(rank + 1) * config.k]
         if trainer is None:

@@ -7,7 +7,7 @@ of rank 0's share and every rank's RNG seeded alike at every step
 (:data:`ddplab.compare.runners.VARIANTS`). Then every rank's forward
 outputs, its inputs to every collective, its gradients at
 ``optimizer.step()`` and its parameters after it must be bitwise equal to
-rank 0's. A difference of any size -- one ulp -- is computation that depends
+rank 0's (for collectives: the inputs of every all-reduce and reduce-scatter). A difference of any size -- one ulp -- is computation that depends
 on the rank: a bug, named at the first (step, rank, what, module) where it
 starts. This needs no specification of what the step promises, so it holds
 for Custom steps, SyncBatchNorm models, FSDP2's backward and unknown hooks.
@@ -49,25 +49,26 @@ def _tensors(out: list, labels: dict, step: int, rank: int, quantity: str, mine:
 
 
 def _collectives(out: list, labels: dict, step: int, rank: int, mine: list, first: list) -> None:
-    """The inputs of the rank's collectives, in issue order, against rank 0's (by digest)."""
+    """The inputs of the rank's recorded collectives, in issue order, against rank 0's (by digest)."""
+    # Only reductions: their inputs are each rank's whole contribution. An all-gather's input is the
+    # rank's own shard and a broadcast's the receiving buffer, different by design.
+    mine = [c for c in mine if c.get("type") == "CollectiveRecord" and c.get("op") in ("allreduce", "reduce_scatter")]
+    first = [c for c in first if c.get("type") == "CollectiveRecord" and c.get("op") in ("allreduce", "reduce_scatter")]
     for index, (a, b) in enumerate(zip(mine, first)):
-        if a["group"] != b["group"] and a["op"] == b["op"]:
-            continue  # sub-groups that do not hold rank 0 are compared among their own members
-        differing = int(a["input_digest"] != b["input_digest"])
+        differing = sum(x != y for x, y in zip(a["input_digests"], b["input_digests"]))
         out.append(record("twin_differing", differing, step=step, rank=rank, quantity="collective",
-                          param=f"#{index} {a['op']}", **labels))
+                          param=f"#{index} {a['op']}" + (f" (bucket {a['bucket']})" if a.get("bucket") is not None
+                                                          else ""), **labels))
     if len(mine) != len(first):
         out.append(record("twin_differing", abs(len(mine) - len(first)), step=step, rank=rank,
                           quantity="collective", param="(number of collectives)", **labels))
 
 
-def twin_records(label: str, ranks: list[list[dict]], collectives: list[list[list[dict]]] | None = None
-                 ) -> list[dict]:
+def twin_records(label: str, ranks: list[list[dict]]) -> list[dict]:
     """Compare every rank of the twin with rank 0, step by step.
 
-    ``ranks[r][step]`` is rank r's capture of the twin (:class:`ddplab.compare.runners.Capture`);
-    ``collectives[r][step]``, when recorded, rank r's collectives of that step in issue order
-    (dicts with ``op``, ``group`` and ``input_digest``).
+    ``ranks[r][step]`` is rank r's capture of the twin (:class:`ddplab.compare.runners.Capture`),
+    with its recorded collectives (``collectives``: their input digests, in issue order).
     """
     labels = dict(config=label)
     out: list[dict] = []
@@ -77,8 +78,8 @@ def twin_records(label: str, ranks: list[list[dict]], collectives: list[list[lis
         for rank in range(1, len(ranks)):
             mine = ranks[rank][step]
             _forward(out, labels, step, rank, mine.get("forward", []), first.get("forward", []))
-            if collectives is not None and step < min(len(c) for c in collectives):
-                _collectives(out, labels, step, rank, collectives[rank][step], collectives[0][step])
+            if first.get("collectives"):
+                _collectives(out, labels, step, rank, mine.get("collectives", []), first["collectives"])
             elif "buckets" in first:  # DDP's bucket inputs, kept around its reduction
                 _tensors(out, labels, step, rank, "collective",
                          {f"bucket {b['index']}": b["local"] for b in mine.get("buckets", [])},

@@ -26,14 +26,16 @@ __all__ = ["ConfigVerdict", "judge", "comparison_verdict", "configurations_in", 
 #: Run statuses that mean the configuration did not finish its steps.
 FAILED_STATUSES = ("crashed", "hung", "stopped")
 #: What a comparison's verdict covers.
-SCOPE = ("covers every compared step of every rank: the replicas' gradients and parameters against "
-         "each other bit for bit; for DDP, accumulation and Fabric each rank's local gradient, its "
-         "reduced buckets and its update against ddplab's specification replay bit for bit (FSDP2: "
-         "forward outputs, the reduce-scatter and the sharded update; the backward by tolerance); "
-         "whether the data-parallel promise equals one process, in float64; and, where no replay "
-         "exists (Custom steps, models that issue collectives), each parameter's distance from a "
-         "float64 run against the reference's own distance; not steps after the last one compared, "
-         "nor effects outside the captured gradients, parameters and buffers (data loading)")
+SCOPE = ("covers every compared step of every rank: finite values; the replicas' gradients and parameters "
+         "against each other bit for bit; every collective the ranks issued against its emulation, bit for bit, "
+         "and its dtype against the one declared; for DDP, accumulation and Fabric each rank's local gradient, "
+         "its reduced buckets and its update against ddplab's specification replay bit for bit (FSDP2: forward "
+         "outputs and the sharded update); where no replay covers every phase, the symmetric twin (every rank "
+         "on rank 0's data and RNG state, bit for bit) and the configuration's own code in float64 against the "
+         "float64 truth; whether the data-parallel promise equals one process, in float64; and each "
+         "parameter's distance from a float64 run against the reference's own distance; not steps after the "
+         "last one compared or after the first non-finite value, nor effects outside the captured gradients, "
+         "parameters, buffers and collectives (data loading)")
 
 
 @dataclasses.dataclass

@@ -31,6 +31,9 @@ STACK_LINES = 30
 #: FSDP's hooks (torch.distributed); DDP's forward (its module); backward,
 #: where DDP's and FSDP's gradient reductions are waited for (autograd's engine).
 WAIT_PLACES = ("torch/distributed/", "torch/nn/parallel/distributed.py", "torch/autograd/")
+#: Frames a wait passes through on its way into torch: ddplab's collective recorder (a kernel at
+#: the c10d dispatcher that waits for each collective) and the lock it waits on.
+PASS_THROUGH = ("ddplab/collectives/", "threading.py")
 #: The rank's entry frame, which marks its main thread in a dump.
 _ENTRY = (os.path.basename(rank_main.__code__.co_filename), rank_main.__name__)
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ \(most recent call first\):$")
@@ -133,6 +136,8 @@ def in_collective(frames: tuple[Frame, ...]) -> bool:
     C++ with no torch frame above the caller, and is not seen as one.
     """
     for frame in frames:
+        if any(frame.lies_in(place) for place in PASS_THROUGH):
+            continue
         if not frame.lies_in("torch/"):
             return False
         if any(frame.lies_in(place) for place in WAIT_PLACES):

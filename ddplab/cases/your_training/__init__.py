@@ -50,8 +50,10 @@ class YourTraining(Case):
         Parameter("steps", 0, "steps to compare (0: every batch of the setup)", kind="int", minimum=0),
         Parameter("timeout", 300.0, "seconds a launch may take before it counts as hung", kind="float",
                   minimum=1),
+        Parameter("own_code_demo", True, "also run the shipped Custom steps that show the evidence needing no "
+                  "specification (twin, float64, approximation)", kind="bool"),
     ])
-    quick = {"configurations": ["ddp", "accumulate", "fsdp2_bf16"], "steps": 3}
+    quick = {"configurations": ["ddp", "accumulate", "fsdp2_bf16"], "steps": 3, "own_code_demo": False}
     figures_by_name = {"deviation": figures.plot_deviation, "loss": figures.plot_loss,
                        "grad_norm": figures.plot_grad_norm, "heatmap": figures.plot_heatmap,
                        "finding": figures.plot_finding}

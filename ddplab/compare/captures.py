@@ -1,0 +1,91 @@
+"""The runs' per-step captures, read from disk when a step is needed, a few at a time.
+
+Every rank writes one file per step (:func:`ddplab.compare.runners.capture_path`).
+The parent judges a comparison step by step, so it needs only a handful of
+captures at once: the current step of each rank and of the reference runs,
+and the step before it (the replay starts each step from the state the
+rank left). :class:`Captures` is one rank's steps of one run as a sequence
+that reads a step when it is indexed; every sequence of a comparison shares
+one :class:`CaptureCache`, which keeps the last few captures read and forgets
+the rest. The parent's memory then grows with the model and the number of
+ranks, not with the number of steps.
+"""
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["CaptureCache", "Captures", "count_steps"]
+
+
+def count_steps(root: str, run_id: str, steps: int, rank: int) -> int:
+    """How many consecutive steps, from 0, the rank finished (their files exist)."""
+    from ddplab.compare.runners import capture_path
+
+    done = 0
+    while done < steps and os.path.exists(capture_path(root, run_id, done, rank)):
+        done += 1
+    return done
+
+
+class CaptureCache:
+    """The last ``size`` captures read, by (run, rank, step); older ones are forgotten."""
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"a capture cache holds at least one capture, got {size}")
+        self.size = size
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self.reads = 0
+
+    def get(self, root: str, run_id: str, rank: int, step: int) -> dict:
+        from ddplab.compare.runners import capture_path
+
+        key = (root, run_id, rank, step)
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        self.reads += 1
+        value = torch.load(capture_path(root, run_id, step, rank), weights_only=True)
+        self._items[key] = value
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return value
+
+    def forget(self, run_id: str | None = None) -> None:
+        """Drop every capture (of ``run_id`` only, when given)."""
+        for key in [k for k in self._items if run_id is None or k[1] == run_id]:
+            del self._items[key]
+
+
+class Captures(Sequence):
+    """Rank ``rank``'s captures of run ``run_id``: steps 0 .. ``len - 1``, read through ``cache``."""
+
+    def __init__(self, cache: CaptureCache, root: str, run_id: str, rank: int, length: int):
+        self.cache, self.root, self.run_id, self.rank, self._len = cache, root, run_id, rank, length
+
+    @classmethod
+    def on_disk(cls, cache: CaptureCache, root: str, run_id: str, rank: int, steps: int) -> "Captures":
+        """The steps of ``run_id`` that rank ``rank`` finished, up to ``steps``."""
+        return cls(cache, root, run_id, rank, count_steps(root, run_id, steps, rank))
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(self._len)
+            if start != 0 or stride != 1:
+                raise IndexError("captures are sliced from step 0: captures[:n]")
+            return Captures(self.cache, self.root, self.run_id, self.rank, stop)
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(f"step {index} of {self._len} captured")
+        return self.cache.get(self.root, self.run_id, self.rank, index)
+
+    def __repr__(self) -> str:
+        return f"Captures({self.run_id!r}, rank={self.rank}, steps={self._len})"

@@ -1,0 +1,86 @@
+"""Every collective the ranks issued, verified bit for bit and held to the precision declared.
+
+Each rank records every collective it issues (:mod:`ddplab.collectives`:
+DDP's reducer, comm hooks, FSDP2, SyncBatchNorm, DTensor, the user's own
+``dist.*`` calls) and each step's records leave with that step's capture.
+Here, a step at a time, every collective's output is compared with the
+emulation of every rank's recorded inputs (gloo's ring for all-reduce and
+reduce-scatter in the dtype it ran in; exact copies for all-gather and
+broadcast) -- a **reduction** phase for any step, hook or model. A
+gradient reduction in another dtype than the configuration declares (a
+``reduce_dtype`` that is not applied, DDP reducing a float32 model in
+bfloat16 without a compression hook) is a bug whatever its size.
+
+Records: :func:`ddplab.collectives.verify`'s rows (``collective_elements_differing``,
+``collective_max_ulp``, ``collective_unverified``), labelled with the configuration,
+and ``collective_dtype`` (value 1; labels ``op``, ``dtype``, ``declared``) for
+each (step, reduction op, dtype) seen.
+"""
+from __future__ import annotations
+
+import torch
+
+from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom
+from ddplab.records import record
+
+__all__ = ["REDUCTIONS", "step_collectives", "collective_records", "declared_reduce_dtype", "reduction_dtypes"]
+
+#: The collectives that reduce gradients (the ones a reduce dtype governs).
+REDUCTIONS = ("allreduce", "reduce_scatter")
+
+
+def step_collectives(captures: list[dict]) -> list[list]:
+    """Each rank's recorded collectives of one step (its captures), as records, in issue order."""
+    from ddplab.compare.runners import collective_record
+
+    return [[collective_record(state) for state in cap.get("collectives", [])] for cap in captures]
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def declared_reduce_dtype(config: Configuration, model_dtype: torch.dtype) -> str | None:
+    """The dtype ``config`` promises its gradient reductions run in; None where it promises none
+    (a Custom step, a comm hook of the user's own)."""
+    from ddplab.compare.comparison import _compression
+
+    if isinstance(config, Custom):
+        return None
+    if isinstance(config, FSDP2):
+        return _dtype_name(config.dtypes()[1] or model_dtype)
+    if isinstance(config, DDP) and config.comm_hook is not None:
+        return _compression(config)  # torch's and ddplab's compression hooks: their precision
+    return _dtype_name(model_dtype)
+
+
+def reduction_dtypes(captures: list[dict]) -> set[str]:
+    """The floating dtypes the gradient reductions of these captures ran in."""
+    return {state["dtype"] for cap in captures for state in cap.get("collectives", [])
+            if state.get("type") == "CollectiveRecord" and state.get("op") in REDUCTIONS
+            and state.get("dtype") and getattr(torch, state["dtype"]).is_floating_point}
+
+
+def collective_records(config: Configuration, ranks: list, model_dtype: torch.dtype) -> list[dict]:
+    """Verify every step's collectives of every rank (``ranks[r][step]``) and check their dtypes."""
+    from ddplab.collectives import verify
+
+    declared = declared_reduce_dtype(config, model_dtype)
+    labels = dict(config=config.label)
+    out: list[dict] = []
+    for step in range(min(len(r) for r in ranks)):
+        caps = [r[step] for r in ranks]
+        recs = step_collectives(caps)
+        if not any(recs):
+            continue
+        result = verify(recs)
+        # Collectives issued before the first step (DDP's broadcast of the weights) belong to step 0.
+        out += [dict(row, step=step if row.get("step") is None else row["step"], **labels) for row in result.records]
+        seen = {(state["op"], state["dtype"]) for rank in recs for state in
+                ({"op": r.op, "dtype": r.dtype} for r in rank if getattr(r, "op", None) in REDUCTIONS)}
+        for op, dtype in sorted(seen, key=str):
+            if dtype is None or not getattr(torch, dtype).is_floating_point:
+                continue
+            out.append(record("collective_dtype", 1, step=step, op=op, dtype=dtype,
+                              declared=declared or "", **labels))
+    return out

@@ -12,6 +12,7 @@ ddplab, runs through ``ddplab report``, the explorer and torchrun.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import os
 import pathlib
@@ -26,7 +27,7 @@ import papermill
 import pytest
 
 from ddplab.artifacts import load_results
-from ddplab.cases import case_names, get_case
+from ddplab.cases import Case, case_names, get_case
 from ddplab.notebook import IO_PARAMETERS
 from ddplab.report import case_specs, plan_batch, run_batch
 from ddplab.verdict import KINDS, Verdict
@@ -103,6 +104,28 @@ def test_parameters_cell_mirrors_the_case(name):
 @pytest.mark.parametrize("name", case_names())
 def test_notebook_asks_for_declared_figures_and_tables_only(name):
     _check_notebook_names(get_case(name))
+
+
+@pytest.mark.parametrize("name", case_names())
+def test_worker_and_verdict_are_declared_functions(name):
+    """Declared (worker = fn), not forwarded by a method: what a rank unpickles is the function."""
+    case = get_case(name)
+    for attribute in ("worker", "verdict"):
+        assert inspect.isfunction(getattr(case, attribute)), (name, attribute)
+
+
+def test_a_worker_written_as_a_method_stays_a_method():
+    def judge(records, params):
+        return (records, params)
+
+    class Mine(Case):
+        name = "mine"
+        verdict = judge
+
+        def worker(self, params):
+            return self.name, params
+
+    assert Mine().worker({"n": 1}) == ("mine", {"n": 1}) and Mine().verdict(1, 2) == (1, 2)
 
 
 # What a rank does first: unpickle the case's worker, in a fresh interpreter.

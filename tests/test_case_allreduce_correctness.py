@@ -1,4 +1,4 @@
-"""Case 04 (allreduce correctness): parameters, the report's network, autograd's order per tower,
+"""Case 04 (allreduce correctness): the launches, the report's network, autograd's order per tower,
 the signature test, the verdict rule on real and planted records, three towers, and the notebook."""
 from __future__ import annotations
 
@@ -20,39 +20,7 @@ NOTEBOOK = case.notebook_path()
 SMALL = {"steps": 3, "width": 1 / 32}
 
 
-# --------------------------------------------------------------------------- parameters
-
-
-@pytest.mark.parametrize("overrides, name", [
-    ({"world_size": 1}, "world_size"),          # all_sum needs two towers (the report asserts it)
-    ({"world_size": "two"}, "world_size"),
-    ({"steps": 0}, "steps"),
-    ({"mode": ["fixed", "eager"]}, "mode"),
-    ({"mode": []}, "mode"),
-    ({"mode": ["fixed", "fixed"]}, "mode"),
-    ({"tolerance": 0}, "tolerance"),
-    ({"tolerance": "small"}, "tolerance"),
-    ({"seed": -1}, "seed"),
-    ({"width": 0}, "width"),
-    ({"width": 1.5}, "width"),
-    ({"width": 0.001}, "width"),                # 64·width rounds to no channel at all
-    ({"worldsize": 2}, "worldsize"),
-])
-def test_bad_parameters_are_named_before_anything_runs(overrides, name):
-    with pytest.raises(ValueError, match=name):
-        case.check_params(overrides)
-    with pytest.raises(ValueError, match=name):
-        case.run(overrides, progress=False)  # raises before launching any rank
-
-
-def test_defaults_are_the_issues_and_quick_validates():
-    assert case.check_params({}) == {"world_size": 2, "steps": 100,
-                                     "mode": ["fixed", "as_ready", "race"], "tolerance": 1e-4,
-                                     "seed": 0, "width": 0.0625}
-    case.check_params(case.quick)
-    # papermill's -p hands lists over as strings
-    assert case.check_params({"mode": "[fixed, race]"})["mode"] == ["fixed", "race"]
-    assert case.check_params({"mode": "as_ready"})["mode"] == ["as_ready"]
+# --------------------------------------------------------------------------- the plan
 
 
 def test_one_launch_per_mode_labelled_by_mode():

@@ -1,4 +1,5 @@
-"""Case 01, backend divergence: validation, the run plan, the verdict rule, and the notebook."""
+"""Case 01, backend divergence: the CIFAR-10 check, the run plan, the verdict rule, and the
+notebook (bad parameters and defaults: test_case_contract)."""
 from __future__ import annotations
 
 import json
@@ -16,42 +17,9 @@ NOTEBOOK = case.notebook_path()
 # --------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("given, match", [
-    ({"orders": ["gloo", "nccl_ring"]}, r"parameter 'orders'.*must include 'exact'"),
-    ({"orders": ["gloo", "mpi", "exact"]}, r"parameter 'orders'.*from gloo"),
-    ({"orders": ["nccl_live_ring", "exact"]}, r"parameter 'orders'.*need backend='nccl'"),
-    ({"backend": "nccl"}, r"parameter 'backend'.*needs CUDA GPUs"),
-    ({"data": "cifar10"}, r"parameter 'data_root'.*needs the folder"),
-    ({"data_root": "/tmp"}, r"parameter 'data_root'.*only read with data='cifar10'"),
-    ({"world_sizes": [1, 2]}, r"parameter 'world_sizes'.*>= 2"),
-    ({"lr": 0}, r"parameter 'lr'.*must be > 0"),
-    ({"bucket_cap_mb": -1}, r"parameter 'bucket_cap_mb'.*must be > 0"),
-    ({"audit_every": 0}, r"parameter 'audit_every'"),
-    ({"dtype": "float16"}, r"parameter 'dtype'.*float64, float32"),
-    ({"batch_size": 1000}, r"parameter 'batch_size'.*1000 is more than the 899 samples"),
-    ({"stesp": 3}, r"unknown parameter.*'stesp'"),
-])
-def test_bad_parameters_are_named_before_anything_runs(given, match):
-    with pytest.raises(ValueError, match=match):
-        case.check_params(given)
-    with pytest.raises(ValueError, match=match):
-        case.run(given, progress=False)  # run() validates before it launches
-
-
 def test_cifar10_root_is_checked_for_its_files(tmp_path):
     with pytest.raises(ValueError, match=r"parameter 'data_root'.*data_batch_1"):
         case.check_params({"data": "cifar10", "data_root": str(tmp_path)})
-
-
-def test_papermill_strings_are_parsed():
-    params = case.check_params({"world_sizes": "[2, 3]", "orders": "gloo,exact", "steps": "4",
-                                "reproducible": "false"})
-    assert params["world_sizes"] == [2, 3] and params["orders"] == ["gloo", "exact"]
-    assert params["steps"] == 4 and params["reproducible"] is False
-
-
-def test_quick_parameters_are_valid():
-    assert case.check_params(case.quick)["steps"] < case.parameters["steps"].default
 
 
 # --------------------------------------------------------------------------- the plan

@@ -12,6 +12,7 @@ ddplab, runs through ``ddplab report``, the explorer and torchrun.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import os
 import pathlib
@@ -26,7 +27,7 @@ import papermill
 import pytest
 
 from ddplab.artifacts import load_results
-from ddplab.cases import case_names, get_case
+from ddplab.cases import Case, case_names, get_case
 from ddplab.notebook import IO_PARAMETERS
 from ddplab.report import case_specs, plan_batch, run_batch
 from ddplab.verdict import KINDS, Verdict
@@ -95,6 +96,121 @@ def _check_results(case, case_dir: pathlib.Path) -> Verdict:
     return verdict
 
 
+# --------------------------------------------------------------------------- parameters, every case
+
+#: Per case: overrides it must refuse before anything runs, and what the refusal says (the
+#: parameter's name, and why). An undeclared name is checked for every case below.
+BAD_PARAMETERS = {
+    "backend_divergence": [
+        ({"orders": ["gloo", "nccl_ring"]}, r"parameter 'orders'.*must include 'exact'"),
+        ({"orders": ["gloo", "mpi", "exact"]}, r"parameter 'orders'.*from gloo"),
+        ({"orders": ["nccl_live_ring", "exact"]}, r"parameter 'orders'.*need backend='nccl'"),
+        ({"backend": "nccl"}, r"parameter 'backend'.*needs CUDA GPUs"),
+        ({"data": "cifar10"}, r"parameter 'data_root'.*needs the folder"),
+        ({"data_root": "/tmp"}, r"parameter 'data_root'.*only read with data='cifar10'"),
+        ({"world_sizes": [1, 2]}, r"parameter 'world_sizes'.*>= 2"),
+        ({"lr": 0}, r"parameter 'lr'.*must be > 0"),
+        ({"bucket_cap_mb": -1}, r"parameter 'bucket_cap_mb'.*must be > 0"),
+        ({"audit_every": 0}, r"parameter 'audit_every'"),
+        ({"dtype": "float16"}, r"parameter 'dtype'.*float64, float32"),
+        ({"batch_size": 1000}, r"parameter 'batch_size'.*1000 is more than the 899 samples"),
+    ],
+    "half_precision": [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": "two"}, "world_size"),
+        ({"dtypes": ["float32"]}, "dtypes"),           # the report's float16 is required
+        ({"dtypes": ["float16", "int8"]}, "dtypes"),
+        ({"seed": -1}, "seed"),
+        ({"in_features": 0}, "in_features"),
+        ({"out_features": 5000}, "out_features"),
+        ({"lanes": [0, 8]}, "lanes"),
+        ({"lanes": [8, 8]}, "lanes"),
+        ({"same_init": "maybe"}, "same_init"),
+        ({"in_features": 2, "out_features": 2, "lanes": [1, 8]}, "lanes"),  # 8 lanes, 4 weights
+    ],
+    "device_roundtrip": [
+        ({"world_size": 1}, "world_size"),              # one rank has nothing to synchronize
+        ({"world_size": "two"}, "world_size"),
+        ({"roundtrip": ["sideways"]}, "roundtrip"),
+        ({"roundtrip": ["dtype", "dtype"]}, "roundtrip"),
+        ({"framework": ["jax"]}, "framework"),
+        ({"steps": 0}, "steps"),
+        ({"roundtrip_step": -1}, "roundtrip_step"),
+        ({"steps": 5, "roundtrip_step": 5}, "roundtrip_step"),  # the round trip must happen while training
+        ({"seed": -3}, "seed"),
+    ],
+    "allreduce_correctness": [
+        ({"world_size": 1}, "world_size"),          # all_sum needs two towers (the report asserts it)
+        ({"world_size": "two"}, "world_size"),
+        ({"steps": 0}, "steps"),
+        ({"mode": ["fixed", "eager"]}, "mode"),
+        ({"mode": []}, "mode"),
+        ({"mode": ["fixed", "fixed"]}, "mode"),
+        ({"tolerance": 0}, "tolerance"),
+        ({"tolerance": "small"}, "tolerance"),
+        ({"seed": -1}, "seed"),
+        ({"width": 0}, "width"),
+        ({"width": 1.5}, "width"),
+        ({"width": 0.001}, "width"),                # 64·width rounds to no channel at all
+    ],
+    "your_training": [
+        ({"setup": "nope"}, r"parameter 'setup' must be written module:function"),
+        ({"setup": "ddplab.compare.examples:nothing"}, r"has no 'nothing'"),
+        ({"setup": "ddplab.compare.examples:MODELS"}, r"gave a tuple, not a ddplab\.compare\.Setup"),
+        ({"setup": "no_such_package.mod:setup"}, r"cannot import 'no_such_package\.mod'"),
+        ({"configurations": ["ddp", "horovod"]}, r"'horovod' is neither one of"),
+        ({"configurations": ["ddplab.compare.examples:digits_setup"]},
+         r"must give a ddplab\.compare configuration"),
+        ({"configurations": ["accumulate"], "k": 5}, r"parameter 'setup'.*cannot split into 10 equal pieces"),
+        ({"steps": 100}, r"parameter 'setup': steps=100 but setup\.batches has only 6"),
+        ({"world_size": 0}, r"parameter 'world_size'"),
+    ],
+}
+
+#: Per case: its defaults, the reported run's where the report said.
+DEFAULTS = {
+    "half_precision": {"world_size": 2, "dtypes": ["float16", "float32"], "seed": 42, "in_features": 512,
+                       "out_features": 512, "lanes": [1, 2, 4, 8, 16, 32], "same_init": True},
+    "device_roundtrip": {"world_size": 2, "roundtrip": ["none", "dtype", "device"],
+                         "framework": ["ddp", "fabric"], "steps": 20, "roundtrip_step": 5, "seed": 0},
+    "allreduce_correctness": {"world_size": 2, "steps": 100, "mode": ["fixed", "as_ready", "race"],
+                              "tolerance": 1e-4, "seed": 0, "width": 0.0625},
+}
+
+
+def _bad_parameters():
+    for name in case_names():
+        refusals = BAD_PARAMETERS[name] + [({"no_such_parameter": 2}, r"unknown parameter.*'no_such_parameter'")]
+        for i, (overrides, match) in enumerate(refusals):
+            yield pytest.param(name, overrides, match, id=f"{name}-{i}")
+
+
+@pytest.mark.parametrize("name, overrides, match", list(_bad_parameters()))
+def test_bad_parameters_are_named_before_anything_runs(name, overrides, match):
+    case = get_case(name)
+    with pytest.raises(ValueError, match=match):
+        case.check_params(overrides)
+    with pytest.raises(ValueError, match=match):
+        case.run(overrides, progress=False)  # run() validates before it launches any rank
+
+
+@pytest.mark.parametrize("name", case_names())
+def test_defaults_validate_and_quick_changes_some(name):
+    case = get_case(name)
+    params = case.check_params({})
+    assert params == case.parameters.defaults() == {**params, **DEFAULTS.get(name, {})}
+    quick = case.check_params(case.quick)
+    assert case.quick and all(quick[k] != params[k] for k in case.quick), "quick overrides defaults"
+
+
+@pytest.mark.parametrize("name", case_names())
+def test_papermill_strings_parse_back_to_the_values(name):
+    """papermill's -p hands every value over as a string: each default, written so, reads back."""
+    case = get_case(name)
+    for p in case.parameters:
+        assert case.parameters.validate({p.name: str(p.default)})[p.name] == p.default, p.name
+
+
 @pytest.mark.parametrize("name", case_names())
 def test_parameters_cell_mirrors_the_case(name):
     _check_parameters_cell(get_case(name))
@@ -103,6 +219,28 @@ def test_parameters_cell_mirrors_the_case(name):
 @pytest.mark.parametrize("name", case_names())
 def test_notebook_asks_for_declared_figures_and_tables_only(name):
     _check_notebook_names(get_case(name))
+
+
+@pytest.mark.parametrize("name", case_names())
+def test_worker_and_verdict_are_declared_functions(name):
+    """Declared (worker = fn), not forwarded by a method: what a rank unpickles is the function."""
+    case = get_case(name)
+    for attribute in ("worker", "verdict"):
+        assert inspect.isfunction(getattr(case, attribute)), (name, attribute)
+
+
+def test_a_worker_written_as_a_method_stays_a_method():
+    def judge(records, params):
+        return (records, params)
+
+    class Mine(Case):
+        name = "mine"
+        verdict = judge
+
+        def worker(self, params):
+            return self.name, params
+
+    assert Mine().worker({"n": 1}) == ("mine", {"n": 1}) and Mine().verdict(1, 2) == (1, 2)
 
 
 # What a rank does first: unpickle the case's worker, in a fresh interpreter.

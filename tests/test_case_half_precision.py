@@ -1,10 +1,9 @@
-"""Case 02 (half-precision weights): parameters, model, compile step, numerics, verdict rule,
+"""Case 02 (half-precision weights): model, compile step, numerics, verdict rule, tables,
 a real two-rank run, and the notebook under papermill."""
 from __future__ import annotations
 
 import json
 import math
-import pathlib
 
 import pytest
 import torch
@@ -16,40 +15,6 @@ from ddplab.records import collect, record, to_frame
 
 case = get_case("half_precision")
 NOTEBOOK = case.notebook_path()
-
-
-# --------------------------------------------------------------------------- parameters
-
-
-@pytest.mark.parametrize("overrides, name", [
-    ({"world_size": 0}, "world_size"),
-    ({"world_size": "two"}, "world_size"),
-    ({"dtypes": ["float32"]}, "dtypes"),           # the report's float16 is required
-    ({"dtypes": ["float16", "int8"]}, "dtypes"),
-    ({"seed": -1}, "seed"),
-    ({"in_features": 0}, "in_features"),
-    ({"out_features": 5000}, "out_features"),
-    ({"lanes": [0, 8]}, "lanes"),
-    ({"lanes": [8, 8]}, "lanes"),
-    ({"same_init": "maybe"}, "same_init"),
-    ({"in_features": 2, "out_features": 2, "lanes": [1, 8]}, "lanes"),  # 8 lanes, 4 weights
-    ({"worldsize": 2}, "worldsize"),
-])
-def test_bad_parameters_are_named_before_anything_runs(overrides, name):
-    with pytest.raises(ValueError, match=name):
-        case.check_params(overrides)
-    with pytest.raises(ValueError, match=name):
-        case.run(overrides)  # raises before launching any rank
-
-
-def test_defaults_are_the_issues_and_quick_validates():
-    params = case.check_params({})
-    assert params == {"world_size": 2, "dtypes": ["float16", "float32"], "seed": 42,
-                      "in_features": 512, "out_features": 512, "lanes": [1, 2, 4, 8, 16, 32],
-                      "same_init": True}
-    case.check_params(case.quick)
-    # papermill's -p hands lists over as strings
-    assert case.check_params({"lanes": "[1, 8]", "same_init": "false"})["lanes"] == [1, 8]
 
 
 # --------------------------------------------------------------------------- pieces

@@ -1,10 +1,10 @@
 """The Case base: what every case shares, so that a case is only its own logic.
 
-A case reproduces one report. It declares its parameters once
-(:class:`~ddplab.parameters.ParameterSet`), says what each rank runs
-(:meth:`Case.worker`), how many launches it needs (:meth:`Case.launches`),
-and turns the tidy records into a :class:`~ddplab.verdict.Verdict` and
-figures. Everything else -- validation before anything starts, launching
+A case reproduces one report, and is declarations: its parameters
+(:class:`~ddplab.parameters.ParameterSet`), what each rank runs
+(``worker``), how many launches it needs (:meth:`Case.launches`), and how
+the tidy records become a :class:`~ddplab.verdict.Verdict` (``verdict``),
+figures and tables, by name. Everything else -- validation before anything starts, launching
 with progress and timing, the environment block, torchrun's world size, the
 notebook file -- lives here, and the notebook helper, ``ddplab report``, the
 explorer and torchrun use only this interface.
@@ -14,15 +14,11 @@ Example (a complete case; see the README's "Add a case")::
     class Allreduce(Case):
         name = "my_allreduce"
         title = "Does all_reduce sum?"
-        notebook = "my_allreduce.ipynb"          # next to this module
-        parameters = ParameterSet([Parameter("world_size", 2, "ranks", kind="int", minimum=1)])
+        parameters = ParameterSet([Parameter("world_size", 2, "ranks", kind="int", minimum=1,
+                                             role="world_size")])
         figures_by_name = {"sums": plot_sums}     # fn(records, params, ax=None) -> Figure
-
-        def worker(self, params):
-            t = torch.tensor([1.0]); dist.all_reduce(t); emit("sum", t.item(), step=0)
-
-        def verdict(self, records, params):
-            ...
+        worker = rank_main                        # fn(params): every rank, reports with emit
+        verdict = judge                           # fn(records, params) -> Verdict
 
     CASE = Allreduce()
 """
@@ -69,20 +65,22 @@ class Case:
     """Base class of every case; a case module exposes one instance as ``CASE``.
 
     Class attributes a case sets: ``name``, ``title``, ``parameters``,
-    ``notebook`` (file name: built-in cases in the package's notebooks
-    folder, others next to their module), ``quick`` (overrides that make a
-    run take seconds), ``reproduces`` (the reproduced report's id in
+    ``notebook`` (file name, ``<name>.ipynb`` by default: built-in cases in
+    the package's notebooks folder, others next to their module), ``quick``
+    (overrides that make a run take seconds), ``reproduces`` (the reproduced report's id in
     :mod:`ddplab.reproduced`, or None for a case of one's own),
     ``figures_by_name`` (``{name: fn(records, params, ax=None) -> Figure}``,
     most telling first), ``key_figure`` (the one an issue thread shows),
     ``tables_by_name`` (``{name: fn(records[, params]) -> DataFrame or
-    Markdown text}``, the tables a notebook shows beside the figures) and
+    Markdown text}``, the tables a notebook shows beside the figures),
     ``run_label`` (the record label that names a run inside a launch, for
-    one progress bar per run).
+    one progress bar per run), and two functions: ``worker`` (what every
+    rank runs, ``fn(params, **plan.kwargs)``) and ``verdict`` (``fn(records,
+    params) -> Verdict``). A function assigned there (``worker = rank_main``)
+    is called as it is; a method written in the class body stays a method.
 
-    Methods a case implements: :meth:`worker` (every rank), :meth:`verdict`;
-    and where the defaults do not fit, :meth:`check` (rules tying parameters
-    together) and :meth:`launches`.
+    Methods a case overrides where the defaults do not fit: :meth:`check`
+    (rules tying parameters together) and :meth:`launches`.
     """
 
     name: ClassVar[str] = ""
@@ -98,6 +96,11 @@ class Case:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        for attribute in ("worker", "verdict"):
+            fn = cls.__dict__.get(attribute)
+            # Declared as a plain function: no self to bind (a rank pickles it by reference).
+            if inspect.isfunction(fn) and not fn.__qualname__.startswith(f"{cls.__qualname__}."):
+                setattr(cls, attribute, staticmethod(fn))
         if cls.key_figure is not None and cls.key_figure not in cls.figures_by_name:
             raise TypeError(f"case {cls.__name__}: key_figure {cls.key_figure!r} is not in figures_by_name")
 
@@ -147,7 +150,10 @@ class Case:
                 for w in (sizes if isinstance(sizes, list) else [sizes])]
 
     def worker(self, params: dict, **kwargs) -> Any:
-        """What every rank runs (torch.distributed is initialized); reports with :func:`ddplab.emit`."""
+        """What every rank runs (torch.distributed is initialized); reports with :func:`ddplab.emit`.
+
+        A case declares it: ``worker = rank_main``.
+        """
         raise NotImplementedError(f"case {self.name!r} defines no worker")
 
     def progress_total(self, params: dict) -> int:
@@ -194,7 +200,10 @@ class Case:
     # -- conclusions -----------------------------------------------------------------
 
     def verdict(self, records, params: dict) -> Verdict:
-        """The verdict rule: a :class:`~ddplab.verdict.Verdict` computed from ``records``."""
+        """The verdict rule: a :class:`~ddplab.verdict.Verdict` computed from ``records``.
+
+        A case declares it: ``verdict = judge`` (a function of ``records, params``).
+        """
         raise NotImplementedError(f"case {self.name!r} defines no verdict")
 
     def figure(self, name: str, records, params: dict, ax=None):
@@ -232,9 +241,7 @@ class Case:
 
     def notebook_path(self) -> pathlib.Path:
         """The case's notebook: built-in ones in the notebooks folder, others beside their module."""
-        if not self.notebook:
-            raise ValueError(f"case {self.name!r} names no notebook")
-        path = pathlib.Path(self.notebook)
+        path = pathlib.Path(self.notebook or f"{self.name}.ipynb")
         if path.is_absolute():
             return path
         module = inspect.getmodule(type(self))

@@ -49,14 +49,16 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 
 from ddplab.numerics.accumulation import as_micro_contributions, local_sums
 from ddplab.numerics.bounds import (NOT_ROUNDING, OVERFLOW, PROBABILISTIC_CONFIDENCE, ROUNDING, UNDETERMINED,
-                                    abs_sum, classify, finite_abs_sum, reduction_bounds)
-from ddplab.numerics.contributions import as_contributions
+                                    ReductionBounds, abs_sum, classify, finite_abs_sum, reduction_bounds)
+from ddplab.numerics.contributions import Contributions, as_contributions
 from ddplab.numerics.exact import exact_parts, round_to_dtype
 from ddplab.numerics.fpformat import float_format, parse_dtype
 from ddplab.numerics.orders import (BIT_EXACT_ORDERS, check_reduction, gloo_ring_segments, nccl_ring_chunks,
@@ -146,6 +148,184 @@ def _empty(order, bitwise, scope) -> dict:
                 differs_by_chunk=[], scope=scope)
 
 
+@dataclasses.dataclass
+class _Reduction:
+    """What :func:`measure` was asked about, checked: how the result was computed and what it combined."""
+
+    result: torch.Tensor                # flat, on the CPU
+    dtype: torch.dtype                  # the result's
+    c: Contributions                    # what the reduction combined (each rank's local sum for micro-batches)
+    raw: Contributions                  # every contribution (micro-batches not summed)
+    local_steps: int                    # k micro-batches per rank, 1 without
+    scope: str
+    hi: torch.Tensor                    # the exact value, hi + lo, float64
+    lo: torch.Tensor
+    order: str | None
+    op: str
+    averaging: str | None
+    accumulate: Any
+    reduce_dtype: Any
+    options: dict
+    bitwise: bool                       # the order is emulated bit for bit for this result
+
+    def bounds(self, abs_total: torch.Tensor) -> ReductionBounds:
+        return reduction_bounds(self.c, self.order, op=self.op, averaging=self.averaging,
+                                accumulate=self.accumulate, reduce_dtype=self.reduce_dtype,
+                                result_dtype=self.dtype, local_steps=self.local_steps, abs_total=abs_total,
+                                exact_value=self.hi.abs(), **self.options)
+
+
+def _reduction(result, contributions, order, *, op, reference, averaging, accumulate, reduce_dtype, bitwise,
+               options) -> _Reduction:
+    """Check :func:`measure`'s arguments (ValueError saying what is wrong) and read them once."""
+    micro = isinstance(contributions, torch.Tensor) and contributions.dim() == 3
+    if micro:
+        x = as_micro_contributions(contributions)
+        w, steps, n = x.shape
+        raw = as_contributions(x.reshape(w * steps, n))
+        c = as_contributions(local_sums(x))
+    else:
+        c = raw = as_contributions(contributions)
+        steps = 1
+    if not isinstance(result, torch.Tensor):
+        raise ValueError(f"result must be a tensor, got {type(result).__name__}")
+    result = result.detach().cpu().reshape(-1)
+    dtype = parse_dtype(result.dtype)
+    if result.numel() != c.numel:
+        raise ValueError(f"result has {result.numel()} elements, the contributions {c.numel}")
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    if order is not None:
+        check_reduction(order, c.world_size, op=op, averaging=averaging, accumulate=accumulate,
+                        reduce_dtype=reduce_dtype, **options)
+    if bitwise is None:
+        bitwise = order in BIT_EXACT_ORDERS
+    elif bitwise and order is None:
+        raise ValueError("bitwise evidence needs the order the result was computed in")
+    hi, lo = _reference_parts(raw, op, reference, divisor=c.world_size if micro and op == "avg" else None)
+    if hi.numel() != c.numel:
+        raise ValueError(f"reference has {hi.numel()} elements, the contributions {c.numel}")
+    return _Reduction(result=result, dtype=dtype, c=c, raw=raw, local_steps=steps,
+                      scope=ACCUMULATED_REDUCTION_SCOPE if micro else REDUCTION_SCOPE, hi=hi, lo=lo,
+                      order=order, op=op, averaging=averaging, accumulate=accumulate,
+                      reduce_dtype=reduce_dtype, options=options, bitwise=bool(bitwise))
+
+
+@dataclasses.dataclass
+class _Errors:
+    """The result against the exact value, element by element, and the numbers :func:`measure` reports."""
+
+    error: torch.Tensor                 # |result − exact|, float64 (inf where a NaN is unexplained)
+    y: torch.Tensor                     # the result, float64
+    special: torch.Tensor               # an inf or NaN among the inputs (or beyond float64)
+    total: torch.Tensor                 # Σ|x_r| over every contribution
+    numbers: dict
+
+
+def _errors(r: _Reduction) -> _Errors:
+    rounded = round_to_dtype(r.hi, r.lo, r.dtype)
+    ulps = ulp_distance(r.result, rounded).abs()
+    y = r.result.to(torch.float64)
+    special = ~torch.isfinite(r.hi)
+    # IEEE's answer for such inputs (same infinity, or NaN and NaN): nothing to measure there.
+    ieee_same = special & ((y == rounded.to(torch.float64)) | (torch.isnan(y) & torch.isnan(rounded)))
+    error = torch.where(ieee_same, torch.zeros_like(y), ((y - r.hi) - r.lo).abs())
+    error = torch.where(torch.isnan(error), torch.full_like(error, math.inf), error)
+    total = abs_sum(r.raw)
+    rel = torch.where(error == 0, torch.zeros_like(error), error / total)
+    numbers = dict(
+        max_ulp=int(ulps.max()),
+        mean_ulp=float(ulps.to(torch.float64).mean()),
+        frac_correctly_rounded=float((ulps == 0).to(torch.float64).mean()),
+        max_abs_error=float(error.max()),
+        max_rel_error=float(rel.max()),
+        rms_abs_error=float(error.square().mean().sqrt()),
+        rms_rel_error=float(rel.square().mean().sqrt()),
+        nan_count=int(torch.isnan(r.result).sum()),
+    )
+    return _Errors(error=error, y=y, special=special, total=total, numbers=numbers)
+
+
+def _overflowed(r: _Reduction, e: _Errors, bounds: ReductionBounds) -> torch.Tensor:
+    """Where a non-finite result the inputs do not explain is an overflow: some intermediate
+    could reach the threshold (grown from the finite inputs only)."""
+    suspect = ~torch.isfinite(e.y) & (e.error > 0)
+    if not bool(suspect.any()):
+        return torch.zeros_like(suspect)
+    peak = bounds.peak
+    if bool((suspect & e.special).any()):
+        peak = torch.where(e.special, r.bounds(finite_abs_sum(r.raw)).peak, peak)
+    return suspect & (peak >= bounds.overflow_threshold)
+
+
+@dataclasses.dataclass
+class _BoundCheck:
+    """The errors against the rigorous and the probabilistic bound, overflows set aside."""
+
+    label: str                          # classify()'s, over the elements judged
+    overflowed: torch.Tensor
+    numbers: dict
+
+
+def _bound_check(r: _Reduction, e: _Errors) -> _BoundCheck:
+    bounds = r.bounds(e.total)
+    overflowed = _overflowed(r, e, bounds)
+    judged = ~overflowed
+    # Inputs with an inf or NaN have an IEEE answer, not a rounding error: zero tolerance there.
+    rigorous = torch.where(e.special, torch.zeros_like(bounds.rigorous), bounds.rigorous)
+    probabilistic = torch.where(e.special, torch.zeros_like(bounds.probabilistic), bounds.probabilistic)
+    label, ratio = classify(e.error[judged], rigorous[judged])
+    bound_finite = bool(torch.isfinite(rigorous[judged]).all())
+    _, prob_ratio = classify(e.error[judged], probabilistic[judged])
+    if (not bound_finite and label != NOT_ROUNDING) or not bool(judged.any()):
+        ratio = math.nan      # no finite bound, or nothing but overflows to judge
+    if not bool(judged.any()):
+        prob_ratio = math.nan
+    return _BoundCheck(label=label, overflowed=overflowed, numbers=dict(
+        max_bound_ratio=ratio,
+        within_bound=math.nan if math.isnan(ratio) else float(ratio <= 1.0),
+        bound_finite=float(bound_finite),
+        prob_bound_ratio=prob_ratio,
+        prob_confidence=bounds.confidence,
+        overflow_count=int(overflowed.sum()),
+        scope=r.scope,
+    ))
+
+
+def _emulated(r: _Reduction, expected) -> torch.Tensor:
+    """The order applied to these contributions, bit for bit (``expected`` when already computed)."""
+    if expected is None:
+        c, op = r.c, r.op
+        emulated = c if r.reduce_dtype is None else c.map(lambda t: t.to(parse_dtype(r.reduce_dtype)),
+                                                          dtype=parse_dtype(r.reduce_dtype))
+        expected = reduce(emulated, r.order, op=op, averaging=None if r.order == "exact" else r.averaging,
+                          accumulate=r.accumulate, **r.options).to(r.dtype)
+    expected = expected.detach().cpu().reshape(-1)
+    if expected.numel() != r.c.numel or expected.dtype != r.dtype:
+        raise ValueError(f"expected must hold {r.c.numel} {r.dtype} elements, got {expected.numel()} "
+                         f"{expected.dtype}")
+    return expected
+
+
+def _bitwise_numbers(r: _Reduction, expected, overflowed: torch.Tensor) -> dict:
+    """The result's bits against the emulated order's: how many differ, where, per ring chunk."""
+    differs = ~same_bits(r.result, _emulated(r, expected))
+    count = int(differs.sum())
+    c = r.c
+    element_size = torch.empty((), dtype=parse_dtype(r.reduce_dtype or c.dtype)).element_size()
+    chunks = _chunks(r.order, c.numel, c.world_size, element_size,
+                     check_reduction(r.order, c.world_size, **r.options)["options"])
+    return dict(
+        frac_matches_order=1.0 - count / c.numel,
+        differs_count=count,
+        first_differs=int(differs.nonzero()[0, 0]) if count else -1,
+        overflow_matches_order=(math.nan if not bool(overflowed.any())
+                                else float(not bool(differs[overflowed].any()))),
+        differs_by_chunk=_differs_by_chunk(differs, chunks),
+        evidence="bitwise",
+    )
+
+
 def measure(result, contributions, order: str | None = None, *, op: str = "sum", reference=None,
             averaging: str | None = None, accumulate=None, reduce_dtype=None, expected=None,
             bitwise: bool | None = None, **options) -> dict:
@@ -188,137 +368,31 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
     ``scope``. Without ``order`` only the measurements are made
     (classification and evidence None).
     """
-    micro = isinstance(contributions, torch.Tensor) and contributions.dim() == 3
-    if micro:
-        x = as_micro_contributions(contributions)
-        w, steps, n = x.shape
-        raw = as_contributions(x.reshape(w * steps, n))
-        c = as_contributions(local_sums(x))
-    else:
-        c = raw = as_contributions(contributions)
-        steps = 1
-    scope = ACCUMULATED_REDUCTION_SCOPE if micro else REDUCTION_SCOPE
-    if not isinstance(result, torch.Tensor):
-        raise ValueError(f"result must be a tensor, got {type(result).__name__}")
-    result = result.detach().cpu().reshape(-1)
-    dtype = parse_dtype(result.dtype)
-    if result.numel() != c.numel:
-        raise ValueError(f"result has {result.numel()} elements, the contributions {c.numel}")
-    if op not in ("sum", "avg"):
-        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    if order is not None:
-        check_reduction(order, c.world_size, op=op, averaging=averaging, accumulate=accumulate,
-                        reduce_dtype=reduce_dtype, **options)
-    if bitwise is None:
-        bitwise = order in BIT_EXACT_ORDERS
-    elif bitwise and order is None:
-        raise ValueError("bitwise evidence needs the order the result was computed in")
-    bitwise = bool(bitwise)
-    hi, lo = _reference_parts(raw, op, reference, divisor=c.world_size if micro and op == "avg" else None)
-    if hi.numel() != c.numel:
-        raise ValueError(f"reference has {hi.numel()} elements, the contributions {c.numel}")
-    if c.numel == 0:
-        return _empty(order, bitwise, scope)
-
-    # ---- measurements
-    rounded = round_to_dtype(hi, lo, dtype)
-    ulps = ulp_distance(result, rounded).abs()
-    y = result.to(torch.float64)
-    special = ~torch.isfinite(hi)            # an inf or NaN among the inputs (or beyond float64)
-    # IEEE's answer for such inputs (same infinity, or NaN and NaN): nothing to measure there.
-    ieee_same = special & ((y == rounded.to(torch.float64)) | (torch.isnan(y) & torch.isnan(rounded)))
-    error = torch.where(ieee_same, torch.zeros_like(y), ((y - hi) - lo).abs())
-    error = torch.where(torch.isnan(error), torch.full_like(error, math.inf), error)
-    total = abs_sum(raw)
-    rel = torch.where(error == 0, torch.zeros_like(error), error / total)
-    out = {"numel": c.numel}
-    out.update(
-        max_ulp=int(ulps.max()),
-        mean_ulp=float(ulps.to(torch.float64).mean()),
-        frac_correctly_rounded=float((ulps == 0).to(torch.float64).mean()),
-        max_abs_error=float(error.max()),
-        max_rel_error=float(rel.max()),
-        rms_abs_error=float(error.square().mean().sqrt()),
-        rms_rel_error=float(rel.square().mean().sqrt()),
-        nan_count=int(torch.isnan(result).sum()),
-    )
+    r = _reduction(result, contributions, order, op=op, reference=reference, averaging=averaging,
+                   accumulate=accumulate, reduce_dtype=reduce_dtype, bitwise=bitwise, options=options)
+    if r.c.numel == 0:
+        return _empty(order, r.bitwise, r.scope)
+    e = _errors(r)
+    out = {"numel": r.c.numel, **e.numbers}
     if order is None:
         out.update(max_bound_ratio=math.nan, within_bound=math.nan, bound_finite=math.nan,
                    prob_bound_ratio=math.nan, prob_confidence=math.nan, frac_matches_order=math.nan,
                    differs_count=math.nan, first_differs=-1, overflow_count=0,
                    overflow_matches_order=math.nan, classification=None, evidence=None,
-                   differs_by_chunk=[], scope=scope)
+                   differs_by_chunk=[], scope=r.scope)
         return out
-
-    # ---- bounds and overflow
-    bounds = reduction_bounds(c, order, op=op, averaging=averaging, accumulate=accumulate,
-                              reduce_dtype=reduce_dtype, result_dtype=dtype, local_steps=steps,
-                              abs_total=total, exact_value=hi.abs(), **options)
-    # A non-finite result the inputs do not explain is an overflow if some
-    # intermediate could reach the threshold (grown from the finite inputs only).
-    suspect = ~torch.isfinite(y) & (error > 0)
-    overflowed = torch.zeros_like(suspect)
-    if bool(suspect.any()):
-        peak = bounds.peak
-        if bool((suspect & special).any()):
-            finite = reduction_bounds(c, order, op=op, averaging=averaging, accumulate=accumulate,
-                                      reduce_dtype=reduce_dtype, result_dtype=dtype, local_steps=steps,
-                                      abs_total=finite_abs_sum(raw), exact_value=hi.abs(), **options)
-            peak = torch.where(special, finite.peak, peak)
-        overflowed = suspect & (peak >= bounds.overflow_threshold)
-    judged = ~overflowed
-    # Inputs with an inf or NaN have an IEEE answer, not a rounding error: zero tolerance there.
-    rigorous = torch.where(special, torch.zeros_like(bounds.rigorous), bounds.rigorous)
-    probabilistic = torch.where(special, torch.zeros_like(bounds.probabilistic), bounds.probabilistic)
-    label, ratio = classify(error[judged], rigorous[judged])
-    bound_finite = bool(torch.isfinite(rigorous[judged]).all())
-    _, prob_ratio = classify(error[judged], probabilistic[judged])
-    if (not bound_finite and label != NOT_ROUNDING) or not bool(judged.any()):
-        ratio = math.nan      # no finite bound, or nothing but overflows to judge
-    if not bool(judged.any()):
-        prob_ratio = math.nan
-    out.update(
-        max_bound_ratio=ratio,
-        within_bound=math.nan if math.isnan(ratio) else float(ratio <= 1.0),
-        bound_finite=float(bound_finite),
-        prob_bound_ratio=prob_ratio,
-        prob_confidence=bounds.confidence,
-        overflow_count=int(overflowed.sum()),
-        scope=scope,
-    )
-
-    # ---- the verdict, strongest evidence first
-    if bitwise:
-        if expected is None:
-            emulated = c if reduce_dtype is None else c.map(lambda t: t.to(parse_dtype(reduce_dtype)),
-                                                          dtype=parse_dtype(reduce_dtype))
-            expected = reduce(emulated, order, op=op, averaging=None if order == "exact" else averaging,
-                              accumulate=accumulate, **options).to(dtype)
-        expected = expected.detach().cpu().reshape(-1)
-        if expected.numel() != c.numel or expected.dtype != dtype:
-            raise ValueError(f"expected must hold {c.numel} {dtype} elements, got {expected.numel()} "
-                             f"{expected.dtype}")
-        differs = ~same_bits(result, expected)
-        count = int(differs.sum())
-        element_size = torch.empty((), dtype=parse_dtype(reduce_dtype or c.dtype)).element_size()
-        chunks = _chunks(order, c.numel, c.world_size, element_size,
-                         check_reduction(order, c.world_size, **options)["options"])
-        out.update(
-            frac_matches_order=1.0 - count / c.numel,
-            differs_count=count,
-            first_differs=int(differs.nonzero()[0, 0]) if count else -1,
-            overflow_matches_order=(math.nan if not bool(overflowed.any())
-                                    else float(not bool(differs[overflowed].any()))),
-            differs_by_chunk=_differs_by_chunk(differs, chunks),
-            evidence="bitwise",
-        )
-        classification = NOT_ROUNDING if count else (OVERFLOW if bool(overflowed.any()) else ROUNDING)
+    bound = _bound_check(r, e)
+    out.update(bound.numbers)
+    overflow = bool(bound.overflowed.any())
+    # The verdict, strongest evidence first.
+    if r.bitwise:
+        out.update(_bitwise_numbers(r, expected, bound.overflowed))
+        out["classification"] = NOT_ROUNDING if out["differs_count"] else (OVERFLOW if overflow else ROUNDING)
     else:
         out.update(frac_matches_order=math.nan, differs_count=math.nan, first_differs=-1,
                    overflow_matches_order=math.nan, differs_by_chunk=[],
-                   evidence="probabilistic" if label == UNDETERMINED else "bound")
-        classification = OVERFLOW if label == ROUNDING and bool(overflowed.any()) else label
-    out["classification"] = classification
+                   evidence="probabilistic" if bound.label == UNDETERMINED else "bound")
+        out["classification"] = OVERFLOW if bound.label == ROUNDING and overflow else bound.label
     return out
 
 

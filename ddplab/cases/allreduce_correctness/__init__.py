@@ -117,6 +117,8 @@ class AllreduceCorrectness(Case):
     key_figure = "errors_vs_bound"
     tables_by_name = {"summary": figures.summary_table, "pairing": figures.pairing_table}
     run_label = "mode"
+    worker = worker.worker                  # kwargs mode: one launch per mode
+    verdict = verdict.verdict
 
     def launches(self, params: dict) -> list[LaunchPlan]:
         """One launch per mode, so that each gets its own progress bar and timing."""
@@ -125,12 +127,6 @@ class AllreduceCorrectness(Case):
         timeout = 120.0 + params["steps"] * per_step * params["world_size"] / 2
         return [LaunchPlan(world_size=params["world_size"], kwargs={"mode": mode}, label=mode,
                            steps=params["steps"], timeout=timeout) for mode in params["mode"]]
-
-    def worker(self, params: dict, mode: str | None = None) -> None:
-        worker.worker(params, mode)
-
-    def verdict(self, records, params: dict):
-        return verdict.verdict(records, params)
 
 
 CASE = AllreduceCorrectness()

@@ -26,21 +26,21 @@ def summary_table(records, params: dict | None = None):
     for mode in modes_run(records):
         f = mode_facts(records, mode)
         offsets = ", ".join(f"{k}×1e-3: {n}" if k else f"not constant: {n}"
-                            for k, n in f["offsets"])
+                            for k, n in f.offsets)
         rows.append({
             "mode": mode,
-            "results checked": f["results"],
-            "failed the report's check": f["failed"],
-            "first failing step": "never" if f["first_failing_step"] is None else f["first_failing_step"],
-            "largest |add_n - reduced|": f"{f['max_diff']:.9g}",
+            "results checked": f.results,
+            "failed the report's check": f.failed,
+            "first failing step": "never" if f.first_failing_step is None else f.first_failing_step,
+            "largest |add_n - reduced|": f"{f.max_diff:.9g}",
             # Seven digits: a ratio of 0.9999996 must not print as 1.
-            "largest error / rounding bound": f"{f['max_ratio']:.7g}",
-            "classification": f["classification"],
-            "evidence": f["evidence"],
-            "bit for bit gloo's emulated ring": f"{f['matches_order']} of {f['results']}",
-            "mispaired collectives (ledger)": f["mismatched_collectives"],
+            "largest error / rounding bound": f"{f.max_ratio:.7g}",
+            "classification": f.classification,
+            "evidence": f.evidence,
+            "bit for bit gloo's emulated ring": f"{f.matches_order} of {f.results}",
+            "mispaired collectives (ledger)": f.mismatched_collectives,
             "failing errors as multiples of 1e-3": offsets or "—",
-            "steps × variables where ranks disagree": f"{f['ranks_disagree']} of {f['agree_checks']}",
+            "steps × variables where ranks disagree": f"{f.ranks_disagree} of {f.agree_checks}",
         })
     return pd.DataFrame(rows).set_index("mode")
 
@@ -202,25 +202,25 @@ def plot_first_failure(records, params: dict, ax=None):
     facts = [mode_facts(records, m) for m in modes_run(records)]
     composed = ax is not None
     fig, ax = own_axes(ax, (7.5, 0.9 + 0.75 * len(facts)))
-    steps = max([f["steps"] for f in facts] + [1])
+    steps = max([f.steps for f in facts] + [1])
     bars = (("first_failing_step", "failed", -0.18, "the report's check fails", "tab:red"),
             ("first_outside_step", "outside_bound", 0.18, "beyond the rounding bound", "tab:purple"))
     labelled = set()
     for i, f in enumerate(facts):
         for key, count, offset, label, color in bars:
-            first, y = f[key], i + offset
+            first, y = getattr(f, key), i + offset
             if first is None:
                 ax.barh(y, steps, height=0.32, color="none", edgecolor="0.6", hatch="//",
                         label=None if "never" in labelled else "never")
                 labelled.add("never")
-                ax.text(steps, y, f"  never in {f['steps']} steps", va="center", fontsize=8)
+                ax.text(steps, y, f"  never in {f.steps} steps", va="center", fontsize=8)
                 continue
             width = max(first, 0.01 * steps)  # a failure at step 0 still gets a visible sliver
             ax.barh(y, width, height=0.32, color=color, label=None if label in labelled else label)
             labelled.add(label)
-            ax.text(width, y, f"  step {first} ({f[count]} of {f['results']} results)", va="center",
+            ax.text(width, y, f"  step {first} ({getattr(f, count)} of {f.results} results)", va="center",
                     fontsize=8)
-    ax.set_yticks(range(len(facts)), [f["mode"] for f in facts])
+    ax.set_yticks(range(len(facts)), [f.mode for f in facts])
     ax.invert_yaxis()
     ax.set_xlim(0, steps * 1.55)
     ax.set_xlabel("step")

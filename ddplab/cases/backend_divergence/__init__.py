@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import math
 
-from ddplab.cases.backend_divergence import figures, verdict
+from ddplab.cases.backend_divergence import figures, verdict, worker
 from ddplab.cases.backend_divergence.verdict import loss_gaps
 from ddplab.cases.backend_divergence.runs import EMULATED_ORDERS, LIVE_NCCL_ORDERS, ORDERS, REFERENCE, launch_groups
-from ddplab.cases.backend_divergence.worker import DTYPES, worker
+from ddplab.cases.backend_divergence.worker import DTYPES
 from ddplab.cases.base import Case, LaunchPlan
 from ddplab.parameters import Parameter, ParameterSet
 
@@ -111,6 +111,8 @@ class BackendDivergence(Case):
     key_figure = "param_distance"
     tables_by_name = {"loss_gaps": loss_gaps}
     run_label = "run"
+    worker = worker.worker                  # kwargs runs: the runs one launch trains
+    verdict = verdict.verdict
 
     def check(self, params: dict) -> None:
         """Live NCCL needs backend nccl and GPUs; CIFAR-10 needs its folder; a batch must fit a shard."""
@@ -152,12 +154,6 @@ class BackendDivergence(Case):
                            label=f"W={w}" + (f" NCCL_ALGO={env['NCCL_ALGO']}" if "NCCL_ALGO" in env else ""),
                            steps=params["steps"], timeout=params["timeout"])
                 for w in params["world_sizes"] for runs, env in launch_groups(params)]
-
-    def worker(self, params: dict, runs=None) -> dict:
-        return worker(params, runs)
-
-    def verdict(self, records, params: dict):
-        return verdict.verdict(records, params)
 
 
 CASE = BackendDivergence()

@@ -8,17 +8,21 @@ an average ulp error per element of at most W-1 (the roundings an element
 passes through; the largest ulp counts sit where cancellation makes the sum
 small, which is why the bound is on Σ|x_r|); "grows" is a last-step
 parameter distance from the exact run larger than the first non-zero one --
-a measurement, not a bound. Findings keep their numbers in ``values``.
+a measurement, not a bound. Findings keep their numbers in ``values``; each
+finding is one function, over :class:`Comparison` and :class:`OrderFacts`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import NamedTuple
 
-from ddplab.cases.backend_divergence.runs import REFERENCE, REPEAT_SUFFIX, REVERSED_SUFFIX, base_run, kind_of
+from ddplab.cases.backend_divergence.runs import REFERENCE, REVERSED_SUFFIX, base_run, kind_of
 from ddplab.records import where
 from ddplab.verdict import Finding, Verdict
 
-__all__ = ["SCOPE", "VISIBLE_RELATIVE_GAP", "run_table", "loss_gaps", "compare", "verdict"]
+__all__ = ["SCOPE", "VISIBLE_RELATIVE_GAP", "Comparison", "OrderFacts", "run_table", "loss_gaps",
+           "compare", "verdict"]
 
 SCOPE = ("The audit's rounding bound covers the all-reduce of the gradient contributions; the "
          "forward/backward and the optimizer are identical across runs by construction (same "
@@ -71,12 +75,18 @@ def loss_gaps(records):
     return long[["world_size", "step", "run", "metric", "value"]].astype({"world_size": int, "step": int})
 
 
-def compare(records, a: str, b: str, world_size: int,
-            by=("loss", "param_digest")) -> tuple[bool, int | None, int]:
+class Comparison(NamedTuple):
+    """Two runs' logged metrics, step by step."""
+
+    equal: bool                         # bitwise equal at every step compared
+    first_differ: int | None            # the first step where they differ
+    steps: int                          # steps compared
+
+
+def compare(records, a: str, b: str, world_size: int, by=("loss", "param_digest")) -> Comparison:
     """Whether runs ``a`` and ``b`` logged bitwise equal ``by`` metrics at every step.
 
-    ``local_loss`` compares every shard's loss (all ranks). Returns (equal,
-    first step where they differ or None, steps compared); a run without
+    ``local_loss`` compares every shard's loss (all ranks). A run without
     records compares unequal.
     """
     first, steps = None, None
@@ -89,14 +99,14 @@ def compare(records, a: str, b: str, world_size: int,
             table = _rank0(rows, metric).pivot_table(index="step", columns="run", values="value",
                                                      aggfunc="first")
         if a not in table or b not in table or table[[a, b]].dropna().empty:
-            return False, None, 0
+            return Comparison(False, None, 0)
         part = table[[a, b]].dropna()
         step_index = part.index.get_level_values("step")
         steps = min(steps or math.inf, step_index.nunique())
         differ = step_index[(part[a] != part[b]).to_numpy()]
         if len(differ):
             first = min(int(differ.min()), first if first is not None else math.inf)
-    return first is None, first, int(steps or 0)
+    return Comparison(first is None, first, int(steps or 0))
 
 
 def _audit(records, world_size: int, runs, metric: str, step: int | None = None):
@@ -113,13 +123,20 @@ def _min(values) -> float:
     return float(values.min()) if len(values) else math.nan
 
 
-def _growth(values) -> tuple[float, float, float]:
-    """(first positive value, last value, last/first) of a per-step series."""
+class Growth(NamedTuple):
+    """How a per-step series grew: its first positive value, its last, and last / first."""
+
+    first: float
+    last: float
+    ratio: float
+
+
+def _growth(values) -> Growth:
     positive = values[values > 0]
     last = float(values.iloc[-1]) if len(values) else 0.0
     if positive.empty:
-        return 0.0, last, math.nan
-    return float(positive.iloc[0]), last, last / float(positive.iloc[0])
+        return Growth(0.0, last, math.nan)
+    return Growth(float(positive.iloc[0]), last, last / float(positive.iloc[0]))
 
 
 def _not_measured_as_text(values: dict) -> dict:
@@ -151,7 +168,7 @@ def _count(rows, **labels) -> int:
 def _two_ranks(records, runs, steps) -> Finding:
     """W=2: every run bitwise the exact run, every audited bucket the correctly rounded mean."""
     claim = "With 2 ranks every reduction order gives bitwise identical losses and parameters at every step"
-    unequal = [r for r in runs if not compare(records, r, REFERENCE, 2)[0]]
+    unequal = [r for r in runs if not compare(records, r, REFERENCE, 2).equal]
     ulps = _audit(records, 2, runs, "max_ulp")
     return Finding(
         "two_ranks_bitwise", claim, bool(runs) and not unequal and not _max(ulps) > 0,
@@ -184,36 +201,65 @@ def _drift(records, w: int, orders, steps: int) -> dict:
             "pair_distance": distance}
 
 
-def _more_ranks(records, big, orders, steps) -> tuple[Finding, dict]:
+@dataclasses.dataclass
+class OrderFacts:
+    """One order at one world size above 2, against the exact run."""
+
+    world_size: int
+    run: str
+    comparison: Comparison              # parameter digests against the exact run's
+    frac_correct0: float                # elements correctly rounded at step 0 (fewest of any bucket)
+    mean_ulp0: float                    # average ulp error per element at step 0 (largest bucket)
+    max_ulp: float
+    bound_ratio: float                  # largest error / rounding bound, every audited step
+    distance: Growth                    # parameter distance from the exact run along training
+
+    def holds(self, steps: int) -> bool:
+        """Off the exact run from step 0 by a few ulps, within the bound, the gap growing."""
+        return (self.comparison.first_differ == 0 and self.frac_correct0 < 1
+                and self.mean_ulp0 <= self.world_size - 1 and self.bound_ratio <= 1
+                and (steps < 2 or self.distance.ratio > 1))
+
+    def values(self) -> dict:
+        c = self.comparison
+        return {"pairs": f"W={self.world_size} {self.run}", "first_differ": "never" if c.equal else c.first_differ,
+                "frac_correct0": self.frac_correct0, "mean_ulp0": self.mean_ulp0, "max_ulp": self.max_ulp,
+                "bound_ratio": self.bound_ratio, "d_first": self.distance.first, "d_last": self.distance.last,
+                "growth": self.distance.ratio}
+
+
+def order_facts(records, w: int, r: str, pdist) -> OrderFacts:
+    measured = r in pdist and w in pdist.index.get_level_values("world_size")
+    return OrderFacts(
+        world_size=w, run=r, comparison=compare(records, r, REFERENCE, w, by=("param_digest",)),
+        frac_correct0=_min(_audit(records, w, [r], "frac_correctly_rounded", step=0)),
+        mean_ulp0=_max(_audit(records, w, [r], "mean_ulp", step=0)),
+        max_ulp=_max(_audit(records, w, [r], "max_ulp")),
+        bound_ratio=_max(_audit(records, w, [r], "max_bound_ratio")),
+        distance=_growth(pdist.loc[w][r].dropna()) if measured else Growth(math.nan, math.nan, math.nan))
+
+
+def _columns(rows: list[dict]) -> dict[str, list]:
+    """Rows of values as one list per name, in the rows' order."""
+    return {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
+
+
+def _measured_drift(records, big, orders, steps, facts: list[OrderFacts]) -> dict:
+    """The drift at the largest world size, and the orders' worst step-0 ulps and bound ratio."""
+    return {**_drift(records, max(big), orders, steps), "w": max(big), "steps": steps,
+            "mean_ulp": max(f.mean_ulp0 for f in facts), "ratio": max(f.bound_ratio for f in facts)}
+
+
+def _more_ranks(facts: list[OrderFacts], drift: dict, steps: int) -> Finding:
     """W > 2: each order off the exact run from step 0, a few ulps, within its bound; the drift measured."""
     claim = ("With more than 2 ranks the orders differ from the first step by a few ulps (on average "
              "per element), each within the rounding bound; along training the gap grows "
              "(a measured growth, not a bound)")
-    if not big or not orders:
+    if not facts:
         return Finding("more_ranks_differ", claim, None, "not measured: no world size above 2 "
-                       "with an order besides the exact one", {}), {}
-    pdist, cols = run_table(records, "param_distance"), {}
-    ok = True
-    for w in big:
-        for r in orders:
-            same, first, _ = compare(records, r, REFERENCE, w, by=("param_digest",))
-            mean0 = _max(_audit(records, w, [r], "mean_ulp", step=0))
-            correct0 = _min(_audit(records, w, [r], "frac_correctly_rounded", step=0))
-            ratio = _max(_audit(records, w, [r], "max_bound_ratio"))
-            measured = r in pdist and w in pdist.index.get_level_values("world_size")
-            d_first, d_last, growth = _growth(pdist.loc[w][r].dropna()) if measured else (math.nan,) * 3
-            ok &= (first == 0 and correct0 < 1 and mean0 <= w - 1 and ratio <= 1
-                   and (steps < 2 or growth > 1))
-            for key, value in (("pairs", f"W={w} {r}"), ("first_differ", "never" if same else first),
-                               ("frac_correct0", correct0), ("mean_ulp0", mean0),
-                               ("max_ulp", _max(_audit(records, w, [r], "max_ulp"))),
-                               ("bound_ratio", ratio), ("d_first", d_first), ("d_last", d_last),
-                               ("growth", growth)):
-                cols.setdefault(key, []).append(value)
-    drift = {**_drift(records, max(big), orders, steps), "w": max(big), "steps": steps,
-             "mean_ulp": max(cols["mean_ulp0"]), "ratio": max(cols["bound_ratio"])}
+                       "with an order besides the exact one", {})
     return Finding(
-        "more_ranks_differ", claim, ok,
+        "more_ranks_differ", claim, all(f.holds(steps) for f in facts),
         "{pairs}: parameters first differ from the exact run's at step {first_differ}; at step 0 "
         "{frac_correct0:.0%} of reduced gradient elements correctly rounded, {mean_ulp0:.2g} ulp on "
         "average (largest {max_ulp} ulp, where the sum cancels); largest error over every audited "
@@ -221,18 +267,19 @@ def _more_ranks(records, big, orders, steps) -> tuple[Finding, dict]:
         "the exact run {d_first} at its first non-zero step → {d_last} at step {last_step} "
         "(×{growth:.3g}); {pair_a} vs {pair_b} at W={w} after {steps} steps: logged loss "
         "{loss_gap} apart ({rel_loss_gap} relative), parameters {pair_distance} apart",
-        {**cols, **drift}), drift
+        {**_columns([f.values() for f in facts]), **drift})
 
 
 def _same_order(records, sizes, runs) -> Finding:
     """Each repeated run against its first: losses (every shard's too) and parameters, bit for bit."""
-    cols: dict[str, list] = {"pairs": [], "equal": [], "first_differ": [], "steps": []}
+    rows = []
     for w in sizes:
         for rep in [r for r in runs if kind_of(r) == "repeat"]:
-            same, first, n = compare(records, base_run(rep), rep, w, by=("loss", "param_digest", "local_loss"))
-            for key, value in zip(cols, (f"W={w} {base_run(rep)}", same, first if first is not None
-                                         else "never", n)):
-                cols[key].append(value)
+            c = compare(records, base_run(rep), rep, w, by=("loss", "param_digest", "local_loss"))
+            rows.append({"pairs": f"W={w} {base_run(rep)}", "equal": c.equal,
+                         "first_differ": c.first_differ if c.first_differ is not None else "never",
+                         "steps": c.steps})
+    cols = _columns(rows) or {"pairs": [], "equal": [], "first_differ": [], "steps": []}
     return Finding(
         "same_order_reproducible", "The same order run twice gives bitwise identical losses and "
         "parameters (the report's observation)", all(cols["equal"]) if cols["equal"] else None,
@@ -253,7 +300,7 @@ def _no_order_privileged(records, sizes, runs, orders, steps, params) -> Finding
     ratios = [_max(_audit(records, w, live_like, "max_bound_ratio")) for w in sizes]
     judged = _judged(records, live_like)
     pdist, big = run_table(records, "param_distance"), [w for w in sizes if w > 2]
-    exact_equal = [f"W={w} {r}" for w in big for r in orders if compare(records, r, REFERENCE, w)[0]]
+    exact_equal = [f"W={w} {r}" for w in big for r in orders if compare(records, r, REFERENCE, w).equal]
     values = {"sizes": sizes, "ratios": ratios, "steps": steps, "big": big, "orders": orders,
               "d_last": [float(pdist.loc[w].iloc[-1].get(r, math.nan)) for w in big for r in orders],
               "equal_to_exact": exact_equal or "none", "judged": len(judged),
@@ -268,8 +315,9 @@ def _no_order_privileged(records, sizes, runs, orders, steps, params) -> Finding
     if len(repro) < 2:
         return Finding("no_order_privileged", _CLAIM4, False,
                        template + "; the reproducible hook was not run (reproducible=False)", values)
-    equal = [compare(records, repro[0], repro[1], w, by=("param_digest", "local_loss"))[0] for w in sizes]
-    ctl = [compare(records, "gloo", control, w, by=("param_digest",))[0] if control in runs else None
+    placed, replaced = repro[0], repro[1]    # the same hook, rank r on shard r and on shard W-1-r
+    equal = [compare(records, placed, replaced, w, by=("param_digest", "local_loss")).equal for w in sizes]
+    ctl = [compare(records, "gloo", control, w, by=("param_digest",)).equal if control in runs else None
            for w in sizes]
     # Above 2 ranks the control must change gloo's bits, or the placement change tested nothing.
     ok &= all(equal) and not any(c for w, c in zip(sizes, ctl) if w > 2)
@@ -339,6 +387,71 @@ def _live_nccl(records, runs) -> dict:
 # --------------------------------------------------------------------------- the verdict
 
 
+def _two_ranks_unmeasured(sizes) -> Finding:
+    return Finding("two_ranks_bitwise", "With 2 ranks every reduction order gives bitwise identical "
+                   "losses and parameters at every step", None,
+                   "not measured: world_sizes {sizes} has no 2", {"sizes": sizes})
+
+
+def _orders_above_two(records, big, orders) -> list[OrderFacts]:
+    if not big or not orders:
+        return []
+    pdist = run_table(records, "param_distance")
+    return [order_facts(records, w, r, pdist) for w in big for r in orders]
+
+
+def _values(params: dict, findings: list[Finding], two: Finding, gloo: Finding, nccl: dict, drift: dict,
+            steps: int, big: list[int]) -> dict:
+    """The verdict's numbers; the drift's are NaN or "none" where no world size above 2 ran."""
+    facts = gloo.values
+    return {"steps": steps, "dtype": params["dtype"], "model": params["model"], "data": params["data"],
+            "w2_max_ulp": two.values.get("max_ulp", math.nan), "w": max(big) if big else "none",
+            "mean_ulp": math.nan, "ratio": math.nan, "loss_gap": math.nan, "rel_loss_gap": math.nan,
+            "pair_distance": math.nan, "pair_a": "none", "pair_b": "none",
+            "matches_min": facts["matches_min"], "evidence": facts["evidence"],
+            "gloo_buckets": facts["gloo_buckets"], "gloo_bitwise": facts["gloo_bitwise"], **nccl,
+            "unmeasured": [f.key for f in findings if f.holds is None] or "none",
+            "failed": [f.key for f in findings if f.holds is False] or "none", **drift}
+
+
+def _rounding_summary(two: Finding, drifted: bool, values: dict) -> str:
+    summary = "Rounding, not a bug: the backends add the gradients in different orders."
+    if two.holds:
+        summary += " With 2 ranks every order gives the same bits."
+    if drifted:
+        summary += (" With {w} ranks the orders differ from the first step (about {mean_ulp:.2g} ulp per "
+                    "element on average, at most {ratio:.2g} of the rounding bound).")
+    if values["gloo_buckets"]:
+        summary += (" Live gloo's reduction is rounding on bitwise evidence: all {gloo_buckets} of "
+                    "its audited buckets equal the emulated gloo ring bit for bit.")
+    if values["nccl_buckets"]:
+        summary += (" Live NCCL's is rounding on the bound ({nccl_bound} of {nccl_buckets} audited "
+                    "buckets within it, at most {nccl_ratio:.2g} of it): NCCL's order is modelled, "
+                    "not emulated bit for bit.")
+    if drifted:
+        summary += (" Training then amplified the difference, a measured growth, not a bound: "
+                    "after {steps} steps {pair_a} and {pair_b} differ by {loss_gap} in the logged loss "
+                    "({rel_loss_gap} relative) and {pair_distance} in parameter distance, in {dtype}.")
+        summary += (" Rounding of the reduction alone reached no more than this here (model {model}, data "
+                    "{data}): it cannot explain a significant difference in train loss or accuracy within "
+                    "{steps} steps; such a difference would need another cause, which this run does not "
+                    "reproduce." if values["max_rel_loss_gap"] < VISIBLE_RELATIVE_GAP else
+                    " Within {steps} steps rounding alone grew to a visible loss difference here.")
+    summary += (" Neither backend is correct and neither is wrong: each is within the rounding "
+                "bound of the exact sum. A reproducible (fixed-point) reduction makes every order "
+                "agree bit for bit.")
+    if values["unmeasured"] != "none":
+        summary += " Not measured with these parameters: {unmeasured}."
+    return summary
+
+
+KEY_NUMBERS = {"W=2: largest error of any order (ulp)": "w2_max_ulp",
+               "W>2: largest error / rounding bound": "ratio:.2g",
+               "live gloo elements equal to the emulated gloo ring": "matches_min:.2%",
+               "logged-loss gap of the report's pair at the last step": "loss_gap",
+               "parameter distance of the report's pair at the last step": "pair_distance"}
+
+
 def verdict(records, params: dict) -> Verdict:
     """kind "rounding" when every finding holds (or was not measured), else "unexplained"."""
     sizes = sorted(int(w) for w in records["world_size"].dropna().unique())
@@ -348,67 +461,20 @@ def verdict(records, params: dict) -> Verdict:
     big = [w for w in sizes if w > 2]
     live_like = [r for r in runs if kind_of(r) in ("order", "repeat", "placement") and r != REFERENCE]
 
-    two = (_two_ranks(records, live_like, steps) if 2 in sizes else
-           Finding("two_ranks_bitwise", "With 2 ranks every reduction order gives bitwise identical "
-                   "losses and parameters at every step", None,
-                   "not measured: world_sizes {sizes} has no 2", {"sizes": sizes}))
-    more, drift = _more_ranks(records, big, orders, steps)
+    two = _two_ranks(records, live_like, steps) if 2 in sizes else _two_ranks_unmeasured(sizes)
+    above_two = _orders_above_two(records, big, orders)
+    drift = _measured_drift(records, big, orders, steps, above_two) if above_two else {}
     same = _same_order(records, sizes, runs)
-    findings = [two, more, same, _no_order_privileged(records, sizes, runs, orders, steps, params),
-                _gloo_facts(records, sizes, runs, same)]
-    facts = findings[-1].values
-
+    gloo = _gloo_facts(records, sizes, runs, same)
+    findings = [two, _more_ranks(above_two, drift, steps), same,
+                _no_order_privileged(records, sizes, runs, orders, steps, params), gloo]
     kind = "rounding" if all(f.holds is not False for f in findings) else "unexplained"
-    nccl = _live_nccl(records, runs)
-    values = {"steps": steps, "dtype": params["dtype"], "model": params["model"], "data": params["data"],
-              "w2_max_ulp": two.values.get("max_ulp", math.nan), "w": max(big) if big else "none",
-              "mean_ulp": math.nan, "ratio": math.nan, "loss_gap": math.nan, "rel_loss_gap": math.nan,
-              "pair_distance": math.nan, "pair_a": "none", "pair_b": "none",
-              "matches_min": facts["matches_min"], "evidence": facts["evidence"],
-              "gloo_buckets": facts["gloo_buckets"], "gloo_bitwise": facts["gloo_bitwise"], **nccl,
-              "unmeasured": [f.key for f in findings if f.holds is None] or "none",
-              "failed": [f.key for f in findings if f.holds is False] or "none", **drift}
-    if kind == "rounding":
-        summary = "Rounding, not a bug: the backends add the gradients in different orders."
-        if two.holds:
-            summary += " With 2 ranks every order gives the same bits."
-        if drift:
-            summary += (
-                " With {w} ranks the orders differ from the first step (about {mean_ulp:.2g} ulp per "
-                "element on average, at most {ratio:.2g} of the rounding bound).")
-        if facts["gloo_buckets"]:
-            summary += (" Live gloo's reduction is rounding on bitwise evidence: all {gloo_buckets} of "
-                        "its audited buckets equal the emulated gloo ring bit for bit.")
-        if nccl["nccl_buckets"]:
-            summary += (" Live NCCL's is rounding on the bound ({nccl_bound} of {nccl_buckets} audited "
-                        "buckets within it, at most {nccl_ratio:.2g} of it): NCCL's order is modelled, "
-                        "not emulated bit for bit.")
-        if drift:
-            summary += (
-                " Training then amplified the difference, a measured growth, not a bound: "
-                "after {steps} steps {pair_a} and {pair_b} differ by {loss_gap} in the logged loss "
-                "({rel_loss_gap} relative) and {pair_distance} in parameter distance, in {dtype}.")
-            summary += (
-                " Rounding of the reduction alone reached no more than this here (model {model}, data "
-                "{data}): it cannot explain a significant difference in train loss or accuracy within "
-                "{steps} steps; such a difference would need another cause, which this run does not "
-                "reproduce." if drift["max_rel_loss_gap"] < VISIBLE_RELATIVE_GAP else
-                " Within {steps} steps rounding alone grew to a visible loss difference here.")
-        summary += (" Neither backend is correct and neither is wrong: each is within the rounding "
-                    "bound of the exact sum. A reproducible (fixed-point) reduction makes every order "
-                    "agree bit for bit.")
-        if values["unmeasured"] != "none":
-            summary += " Not measured with these parameters: {unmeasured}."
-    else:
-        summary = ("The measurements do not match the rounding explanation in full: {failed} did not "
-                   "hold; read their evidence.")
+    values = _values(params, findings, two, gloo, _live_nccl(records, runs), drift, steps, big)
+    summary = (_rounding_summary(two, bool(drift), values) if kind == "rounding" else
+               "The measurements do not match the rounding explanation in full: {failed} did not "
+               "hold; read their evidence.")
     for f in findings:
         f.values = _not_measured_as_text(f.values)
     return Verdict(case="backend_divergence", kind=kind, summary=summary, findings=findings,
                    values=_not_measured_as_text(values),
-                   scope=f"{SCOPE} {_audit_coverage(records, steps)}",
-                   key_numbers={"W=2: largest error of any order (ulp)": "w2_max_ulp",
-                                "W>2: largest error / rounding bound": "ratio:.2g",
-                                "live gloo elements equal to the emulated gloo ring": "matches_min:.2%",
-                                "logged-loss gap of the report's pair at the last step": "loss_gap",
-                                "parameter distance of the report's pair at the last step": "pair_distance"})
+                   scope=f"{SCOPE} {_audit_coverage(records, steps)}", key_numbers=KEY_NUMBERS)

@@ -37,8 +37,8 @@ emits ``configuration_skipped`` (labels ``cause``, ``reason``) and
 from __future__ import annotations
 
 from ddplab.cases.base import Case, LaunchPlan
-from ddplab.cases.device_roundtrip import figures, verdict
-from ddplab.cases.device_roundtrip.worker import FRAMEWORKS, ROUNDTRIPS, plan_backend, worker
+from ddplab.cases.device_roundtrip import figures, verdict, worker
+from ddplab.cases.device_roundtrip.worker import FRAMEWORKS, ROUNDTRIPS, plan_backend
 from ddplab.parameters import Parameter, ParameterSet
 
 __all__ = ["CASE", "DeviceRoundtrip"]
@@ -79,6 +79,8 @@ class DeviceRoundtrip(Case):
                       "summary": figures.summary_table, "alarm_log": figures.alarms_table,
                       "loss_gaps": figures.loss_gap_table}
     run_label = "config"
+    worker = worker.worker
+    verdict = verdict.verdict
 
     def check(self, params: dict) -> None:
         """The round trip must happen during training: ``roundtrip_step < steps``."""
@@ -96,12 +98,6 @@ class DeviceRoundtrip(Case):
 
     def progress_total(self, params: dict) -> int:
         return params["steps"]
-
-    def worker(self, params: dict, **kwargs) -> None:
-        worker(params)
-
-    def verdict(self, records, params: dict):
-        return verdict.verdict(records, params)
 
 
 CASE = DeviceRoundtrip()

@@ -41,7 +41,7 @@ def summary_table(records, params: dict | None = None):
     for config in configurations(records):
         f = run_facts(records, config, rt)
         rows.append({
-            "framework": config[0], "round trip": config[1], "variant": config[2],
+            "framework": config.framework, "round trip": config.roundtrip, "variant": config.variant,
             "steps in sync": f"{len(f.steps) - len(f.out_of_sync)}/{len(f.steps)}",
             "first step out of sync": f.out_of_sync[0] if f.out_of_sync else "—",
             "max |g_r − g_0|": f.max_grad_diff,
@@ -103,7 +103,7 @@ def skipped_markdown(records) -> str:
 
 def _representative(configs):
     """The panel drawn when a caller gives one ``ax``: the first round trip as reported."""
-    return next((c for c in configs if c[1] != "none" and c[2] == AS_REPORTED), configs[0])
+    return next((c for c in configs if c.roundtrip != "none" and c.variant == AS_REPORTED), configs[0])
 
 
 def _panels(configs, ax=None):
@@ -114,13 +114,13 @@ def _panels(configs, ax=None):
         return fig, {}
     if ax is not None:
         return ax.figure, {_representative(configs): ax}
-    ncols = len(dict.fromkeys(c[1:] for c in configs))
+    ncols = len(dict.fromkeys((c.roundtrip, c.variant) for c in configs))
     fig, axes = facet_axes(len(configs), ncols=ncols, width=4.2, height=2.6, sharex=True, sharey=True)
     return fig, dict(zip(configs, axes))
 
 
 def _roundtrip_line(ax, config, rt: int) -> None:
-    if config[1] != "none":
+    if config.roundtrip != "none":
         ax.axvline(rt - 0.5, color="black", lw=1, ls="--")
 
 
@@ -164,7 +164,7 @@ def plot_timeline(records, params: dict, ax=None):
     if alarms:
         ax.scatter(*zip(*alarms), marker="*", color="#1f3b99", s=110, zorder=3,
                    label="detached-reducer guard fired")
-    if any(c[1] != "none" for c in configs) and rt in steps:
+    if any(c.roundtrip != "none" for c in configs) and rt in steps:
         ax.axvline(steps.index(rt) - 0.5, color="black", lw=1.2, ls="--", label="round trip")
     for edge in range(1, len(configs)):
         ax.axhline(edge - 0.5, color="white", lw=2)
@@ -207,8 +207,8 @@ def plot_weight_distance(records, params: dict, ax=None):
     for j, config in enumerate(configs):
         per_step = where(records, "weight_distance", **config_labels(config)).groupby("step")["value"].max()
         ax.plot(per_step.index.astype(int), per_step.values, marker="o", ms=3, lw=1.3,
-                ls="-" if config[2] == AS_REPORTED else ":", color=f"C{j}", label=_title(config))
-    if any(c[1] != "none" for c in configs):
+                ls="-" if config.variant == AS_REPORTED else ":", color=f"C{j}", label=_title(config))
+    if any(c.roundtrip != "none" for c in configs):
         ax.axvline(rt - 0.5, color="black", lw=1, ls="--", label="round trip")
     ax.set_xlabel("step (after its update)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -240,7 +240,7 @@ def plot_loss_gap(records, params: dict, ax=None):
     reference bit for bit), one panel per configuration with a round trip."""
     gaps = loss_gap_table(records)
     rt = roundtrip_step(records, params)
-    configs = [c for c in configurations(records) if c[1] != "none"]
+    configs = [c for c in configurations(records) if c.roundtrip != "none"]
     fig, panels = _panels(configs, ax)
     for config, panel in panels.items():
         sub = gaps_of(gaps, config)

@@ -1,21 +1,24 @@
 """Case 03's verdict: per configuration, what the records say about gradient sync; then the findings.
 
 :func:`run_facts` condenses one configuration's records (steps in and out of
-sync, buckets reduced, alarms, weight distance, warnings); the findings and
-the tables read only these facts. Findings keep their numbers in ``values``;
+sync, buckets reduced, alarms, weight distance, warnings) into a
+:class:`RunFacts`; :class:`Runs` groups them (the control, the as-reported
+round trips, the re-wrapped ones); the findings, one function each, and the
+tables read only these facts. Findings keep their numbers in ``values``;
 lists in ``values`` follow the order of the ``runs`` they describe.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from ddplab.cases.device_roundtrip.worker import AS_REPORTED, FRAMEWORKS, REWRAPPED, ROUNDTRIPS, VARIANTS
 from ddplab.records import label_values, where
 from ddplab.verdict import Finding, Verdict
 
-__all__ = ["CONFIG_KEYS", "SCOPE", "RunFacts", "configurations", "config_labels", "run_name",
-           "run_facts", "roundtrip_step", "loss_gap_table", "gaps_of", "verdict"]
+__all__ = ["CONFIG_KEYS", "SCOPE", "Config", "RunFacts", "Runs", "configurations", "config_labels",
+           "run_name", "run_facts", "roundtrip_step", "loss_gap_table", "gaps_of", "verdict"]
 
 CONFIG_KEYS = ("framework", "roundtrip", "variant")
 
@@ -27,14 +30,27 @@ SCOPE = ("Covers, per configuration and step, whether DDP's reducer reduced the 
          "exact mean), which is not the question here.")
 
 
-def configurations(records) -> list[tuple[str, str, str]]:
-    """The configurations that ran (``(framework, roundtrip, variant)``), in the planned order."""
+class Config(NamedTuple):
+    """One configuration: framework × round trip × variant (labels of its records)."""
+
+    framework: str
+    roundtrip: str                      # "none": the control
+    variant: str                        # AS_REPORTED, or REWRAPPED (the fix)
+
+    @property
+    def name(self) -> str:
+        """``ddp/dtype`` or ``ddp/dtype re-wrapped``: the configuration in a sentence."""
+        return f"{self.framework}/{self.roundtrip}" + ("" if self.variant == AS_REPORTED else " re-wrapped")
+
+
+def configurations(records) -> list[Config]:
+    """The configurations that ran, in the planned order."""
     done = where(records, "steps_completed")
     if not len(done):
         return []
-    keys = {tuple(r) for r in done[list(CONFIG_KEYS)].itertuples(index=False)}
-    return sorted(keys, key=lambda k: (FRAMEWORKS.index(k[0]), ROUNDTRIPS.index(k[1]),
-                                       VARIANTS.index(k[2])))
+    keys = {Config(*r) for r in done[list(CONFIG_KEYS)].itertuples(index=False)}
+    return sorted(keys, key=lambda c: (FRAMEWORKS.index(c.framework), ROUNDTRIPS.index(c.roundtrip),
+                                       VARIANTS.index(c.variant)))
 
 
 def config_labels(config) -> dict:
@@ -43,7 +59,7 @@ def config_labels(config) -> dict:
 
 def run_name(config) -> str:
     """``ddp/dtype`` or ``ddp/dtype re-wrapped``: a configuration in a sentence."""
-    return f"{config[0]}/{config[1]}" + ("" if config[2] == AS_REPORTED else " re-wrapped")
+    return Config(*config).name
 
 
 def roundtrip_step(records, params: dict | None) -> int:
@@ -64,7 +80,7 @@ def _per_step(rows, how: str) -> dict[int, float]:
 class RunFacts:
     """What one configuration's records say. Steps are those rank 0 and every rank recorded."""
 
-    config: tuple
+    config: Config
     roundtrip_step: int | None          # None: no round trip (the control)
     steps: list[int]
     out_of_sync: list[int]              # steps where some rank's gradient differs from rank 0's
@@ -83,7 +99,7 @@ class RunFacts:
 
     @property
     def name(self) -> str:
-        return run_name(self.config)
+        return self.config.name
 
     @property
     def before(self) -> list[int]:
@@ -129,6 +145,7 @@ FACT_METRICS = ("grad_bitwise_equal", "grad_max_abs_diff", "report_allclose", "w
 
 def run_facts(records, config, rt: int) -> RunFacts:
     """Condense one configuration's records (round trip before step ``rt``)."""
+    config = Config(*config)
     mine = where(records, list(FACT_METRICS), **config_labels(config))
     by_metric = dict(tuple(mine.groupby("metric")))
 
@@ -143,7 +160,7 @@ def run_facts(records, config, rt: int) -> RunFacts:
     restored = bool(len(applied)) and all(
         (applied[f"{k}_before"] == applied[f"{k}_after"]).all() for k in ("dtype", "device"))
     return RunFacts(
-        config=tuple(config), roundtrip_step=None if config[1] == "none" else rt,
+        config=config, roundtrip_step=None if config.roundtrip == "none" else rt,
         steps=sorted(equal), out_of_sync=[s for s in sorted(equal) if equal[s] < 1],
         max_grad_diff=max(diff.values()) if diff else math.nan,
         report_fails=[s for s in sorted(allclose) if allclose[s] < 1],
@@ -157,6 +174,42 @@ def run_facts(records, config, rt: int) -> RunFacts:
         warning_messages=[m for m in label_values(warn, "messages") if m],
         completed=int(completed["value"].min()) if len(completed) else 0,
         restored=restored)
+
+
+@dataclasses.dataclass
+class Runs:
+    """Every configuration's facts, and the groups the findings read."""
+
+    facts: list[RunFacts]
+
+    def with_roundtrip(self, roundtrip: str, variant: str | None = None) -> list[RunFacts]:
+        return [f for f in self.facts if f.config.roundtrip == roundtrip
+                and variant in (None, f.config.variant)]
+
+    @property
+    def control(self) -> list[RunFacts]:
+        """No round trip."""
+        return self.with_roundtrip("none")
+
+    @property
+    def reported(self) -> list[RunFacts]:
+        """A round trip, as reported (not re-wrapped)."""
+        return [f for f in self.facts if f.config.roundtrip != "none" and f.config.variant == AS_REPORTED]
+
+    @property
+    def fixed(self) -> list[RunFacts]:
+        """Re-wrapped after the round trip."""
+        return [f for f in self.facts if f.config.variant == REWRAPPED]
+
+    @property
+    def desynced(self) -> list[RunFacts]:
+        """Any run whose gradients differed across ranks at some step."""
+        return [f for f in self.facts if f.out_of_sync]
+
+    @property
+    def broke(self) -> list[RunFacts]:
+        """The as-reported round trips that lost sync."""
+        return [f for f in self.reported if f.out_of_sync]
 
 
 def loss_gap_table(records):
@@ -173,10 +226,10 @@ def loss_gap_table(records):
     configs = configurations(records)
     out = []
     for config in configs:
-        if config[1] == "none":
+        if config.roundtrip == "none":
             continue
-        refs = [r for r in ((config[0], "none", AS_REPORTED), (config[0], config[1], REWRAPPED))
-                if r != config and r in configs]
+        refs = [r for r in (config._replace(roundtrip="none", variant=AS_REPORTED),
+                            config._replace(variant=REWRAPPED)) if r != config and r in configs]
         if not refs:
             continue
         mine = where(records, "loss", **config_labels(config)).set_index(["rank", "step"])["value"]
@@ -279,12 +332,18 @@ def gaps_of(gaps, config):
     return gaps[(gaps[list(CONFIG_KEYS)] == list(config)).all(axis=1)]
 
 
-def _rewrap_finding(fixed: list[RunFacts], gaps, steps: int) -> Finding:
-    def gap(f: RunFacts) -> tuple[float, str]:
-        sub = gaps_of(gaps, f.config)
-        return ((float(sub["gap"].abs().max()), sub["reference"].iloc[0]) if len(sub)
-                else (math.nan, "no reference run"))
+def _largest_gap(gaps, f: RunFacts) -> float:
+    """The largest |loss − reference's loss| of run ``f`` (NaN without a reference run)."""
+    sub = gaps_of(gaps, f.config)
+    return float(sub["gap"].abs().max()) if len(sub) else math.nan
 
+
+def _reference_of(gaps, f: RunFacts) -> str:
+    sub = gaps_of(gaps, f.config)
+    return sub["reference"].iloc[0] if len(sub) else "no reference run"
+
+
+def _rewrap_finding(fixed: list[RunFacts], gaps, steps: int) -> Finding:
     return Finding(
         "rewrap_fixes", "The fix works: wrapping again after the round trip (probes.rewrap for "
         "DDP, fabric.setup for Fabric) keeps every gradient bitwise equal at every step",
@@ -297,7 +356,8 @@ def _rewrap_finding(fixed: list[RunFacts], gaps, steps: int) -> Finding:
         {"runs": _names(fixed), "in_sync": [len(f.steps) - len(f.out_of_sync) for f in fixed],
          "steps": steps, "final_distance": [f.final_distance for f in fixed],
          "buckets_after": [f.buckets_in(f.after) for f in fixed],
-         "loss_gap": [gap(f)[0] for f in fixed], "reference": [gap(f)[1] for f in fixed]})
+         "loss_gap": [_largest_gap(gaps, f) for f in fixed],
+         "reference": [_reference_of(gaps, f) for f in fixed]})
 
 
 def _detector_finding(facts: list[RunFacts], desynced: list[RunFacts], rt: int,
@@ -335,84 +395,110 @@ def _skip_reasons(records, cause: str) -> list[str]:
     return label_values(records, "reason", "configuration_skipped", cause=cause)
 
 
+def _control_finding(runs: Runs, steps: int) -> Finding:
+    return _sync_finding("none_in_sync", "Without a round trip every gradient is bitwise equal across "
+                         "ranks at every step", runs.control, steps)
+
+
+def _dtype_finding(runs: Runs, rt: int, steps: int) -> Finding:
+    return _broken_finding(
+        "dtype_breaks_sync", "After .double() then .float() on the wrapped model (before step "
+        "{roundtrip_step}) the gradients differ across ranks at every later step, for every "
+        "framework run; before it they are equal", runs.with_roundtrip("dtype", AS_REPORTED), rt, steps)
+
+
+_DEVICE_CLAIM = ("The report's own trigger (.cpu() then .cuda()) breaks sync the same way, and "
+                 "re-wrapping fixes it")
+
+
+def _device_finding(records, runs: Runs, rt: int, steps: int) -> Finding | None:
+    """The report's .cpu()/.cuda() round trip where it ran; why not where it could not."""
+    if runs.with_roundtrip("device"):
+        return _broken_finding("device_roundtrip", _DEVICE_CLAIM, runs.with_roundtrip("device", AS_REPORTED),
+                               rt, steps, fixed=runs.with_roundtrip("device", REWRAPPED))
+    skipped = _skip_reasons(records, "no cuda")
+    if skipped:
+        return Finding("device_roundtrip", _DEVICE_CLAIM, None, "not run here: {reason}",
+                       {"reason": "; ".join(skipped)})
+    return None
+
+
+def _fabric_finding(records) -> Finding | None:
+    skipped = _skip_reasons(records, "no lightning")
+    if not skipped:
+        return None
+    return Finding("fabric_skipped", "Lightning Fabric (the report's framework) loses sync the same way",
+                   None, "not run here: {reason}", {"reason": "; ".join(skipped)})
+
+
+def _findings(records, runs: Runs, fix: Finding | None, rt: int, steps: int, world: int) -> list[Finding]:
+    """Every finding the runs allow, in the order a reader follows the story."""
+    findings = [_control_finding(runs, steps)] if runs.control else []
+    if runs.with_roundtrip("dtype", AS_REPORTED):
+        findings.append(_dtype_finding(runs, rt, steps))
+    if runs.desynced:
+        findings += _desync_findings(runs.desynced, steps)
+    if fix is not None:
+        findings.append(fix)
+    if runs.facts:
+        findings += [_detector_finding(runs.facts, runs.desynced, rt, world),
+                     _report_check_finding(runs.facts)]
+    return findings + [f for f in (_device_finding(records, runs, rt, steps), _fabric_finding(records))
+                       if f is not None]
+
+
 # --------------------------------------------------------------------------- the verdict
 
 
-def verdict(records, params: dict) -> Verdict:
-    """kind "bug" when an as-reported round trip made the gradients differ across ranks
-    (DDP's reducer detached); "unexplained" when only other runs lost sync; "undetermined"
-    when every run stayed in sync (the report's failure is not reproduced here)."""
-    rt, steps, world = params["roundtrip_step"], params["steps"], params["world_size"]
-    facts = [run_facts(records, c, rt) for c in configurations(records)]
-    control = [f for f in facts if f.config[1] == "none"]
-    reported = [f for f in facts if f.config[1] != "none" and f.config[2] == AS_REPORTED]
-    fixed = [f for f in facts if f.config[2] == REWRAPPED]
-    desynced = [f for f in facts if f.out_of_sync]
-    broke = [f for f in reported if f.out_of_sync]
-    gaps = loss_gap_table(records)
+KEY_NUMBERS = {"buckets reduced per backward after the round trip": "buckets_after",
+               "steps out of sync after the round trip": "out_of_sync_after",
+               "steps after the round trip": "steps_after",
+               "largest cross-rank gradient difference": "max_grad_diff",
+               "replicas' weight distance at the end": "final_distance",
+               "re-wrapped: largest loss gap to the in-sync run": "rewrap_loss_gap"}
 
-    findings = []
-    if control:
-        findings.append(_sync_finding("none_in_sync", "Without a round trip every gradient is "
-                                      "bitwise equal across ranks at every step", control, steps))
-    dtype_runs = [f for f in reported if f.config[1] == "dtype"]
-    if dtype_runs:
-        findings.append(_broken_finding(
-            "dtype_breaks_sync", "After .double() then .float() on the wrapped model (before step "
-            "{roundtrip_step}) the gradients differ across ranks at every later step, for every "
-            "framework run; before it they are equal", dtype_runs, rt, steps))
-    if desynced:
-        findings += _desync_findings(desynced, steps)
-    fix = _rewrap_finding(fixed, gaps, steps) if fixed else None
-    if fix is not None:
-        findings.append(fix)
-    if facts:
-        findings += [_detector_finding(facts, desynced, rt, world), _report_check_finding(facts)]
 
-    device_claim = ("The report's own trigger (.cpu() then .cuda()) breaks sync the same way, and "
-                    "re-wrapping fixes it")
-    device_runs = [f for f in facts if f.config[1] == "device"]
-    device_skipped = _skip_reasons(records, "no cuda")
-    if device_runs:
-        findings.append(_broken_finding(
-            "device_roundtrip", device_claim, [f for f in device_runs if f.config[2] == AS_REPORTED],
-            rt, steps, fixed=[f for f in device_runs if f.config[2] == REWRAPPED]))
-    elif device_skipped:
-        findings.append(Finding("device_roundtrip", device_claim, None, "not run here: {reason}",
-                                {"reason": "; ".join(device_skipped)}))
-    fabric_skipped = _skip_reasons(records, "no lightning")
-    if fabric_skipped:
-        findings.append(Finding("fabric_skipped", "Lightning Fabric (the report's framework) loses "
-                                "sync the same way", None, "not run here: {reason}",
-                                {"reason": "; ".join(fabric_skipped)}))
-
+def _values(records, runs: Runs, fix: Finding | None, rt: int, steps: int, world: int) -> dict:
+    """The verdict's numbers; those about a round trip are over the as-reported ones."""
+    reported, broke = runs.reported, runs.broke
     gap_values = [g for g in (fix.values["loss_gap"] if fix else []) if not math.isnan(g)]
-    values = {
+    return {
         # The referee's evidence kinds (ddplab.numerics.EVIDENCE): every claim about sync here is
         # bit equality of gradients across ranks, and buckets are counted, never bounded.
         "evidence": "bitwise",
         "world_size": world, "steps": steps, "roundtrip_step": rt, "steps_after": steps - rt,
-        "frameworks": sorted({f.config[0] for f in broke}, key=FRAMEWORKS.index) or "none",
-        "roundtrips": sorted({f.config[1] for f in broke}, key=ROUNDTRIPS.index) or "none",
-        "runs": _names(facts), "in_sync": [len(f.steps) - len(f.out_of_sync) for f in facts],
-        "desynced": _names(desynced),
+        "frameworks": sorted({f.config.framework for f in broke}, key=FRAMEWORKS.index) or "none",
+        "roundtrips": sorted({f.config.roundtrip for f in broke}, key=ROUNDTRIPS.index) or "none",
+        "runs": _names(runs.facts), "in_sync": [len(f.steps) - len(f.out_of_sync) for f in runs.facts],
+        "desynced": _names(runs.desynced),
         # Over the as-reported round trips (the report's runs), whether they broke or not.
         "buckets_after": sorted({n for f in reported for n in f.bucket_counts(f.after)}) or "none",
         "out_of_sync_after": min((f.out_of_sync_after for f in reported), default=0),
         "max_grad_diff": max((f.max_grad_diff for f in reported), default=math.nan),
         "final_distance": max((f.final_distance for f in reported), default=math.nan),
         "rewrap_loss_gap": max(gap_values) if gap_values else math.nan,
-        "device_skipped": "; ".join(device_skipped) or "none",
+        "device_skipped": "; ".join(_skip_reasons(records, "no cuda")) or "none",
     }
-    if broke:
-        kind = "bug"
-        silent = all(f.completed == steps and f.warnings == 0 for f in broke)
-        if fix is None:
-            fix_text = "not run here"
-        elif fix.holds and values["rewrap_loss_gap"] == 0:
-            fix_text = "it kept every gradient in sync and every loss bitwise equal to the in-sync run's"
-        else:
-            fix_text = "it kept every gradient in sync" if fix.holds else "NOT confirmed here"
+
+
+def _kind(runs: Runs) -> str:
+    if runs.broke:
+        return "bug"
+    return "unexplained" if runs.desynced else "undetermined"
+
+
+def _fix_text(fix: Finding | None, values: dict) -> str:
+    if fix is None:
+        return "not run here"
+    if fix.holds and values["rewrap_loss_gap"] == 0:
+        return "it kept every gradient in sync and every loss bitwise equal to the in-sync run's"
+    return "it kept every gradient in sync" if fix.holds else "NOT confirmed here"
+
+
+def _summary(kind: str, runs: Runs, fix: Finding | None, values: dict) -> str:
+    if kind == "bug":
+        broke = runs.broke
+        silent = all(f.completed == values["steps"] and f.warnings == 0 for f in broke)
         summary = ("Silent desynchronization reproduced ({frameworks}; round trip {roundtrips}): after "
                    "the round trip DDP's reducer reduced {buckets_after} buckets per backward, the "
                    "gradients differed across ranks at {out_of_sync_after} of the {steps_after} steps "
@@ -421,23 +507,28 @@ def verdict(records, params: dict) -> Verdict:
                    + (", with no error or warning." if silent else ".")
                    + " Cause: the reducer's hooks stay on the parameters' old gradient accumulators."
                    + (" Plain DDP shows it too: a DDP behaviour, not Fabric's."
-                      if any(f.config[0] == "ddp" for f in broke) else "")
-                   + f" Fix: wrap again after moving; {fix_text}.")
-    elif desynced:
-        kind = "unexplained"
+                      if any(f.config.framework == "ddp" for f in broke) else "")
+                   + f" Fix: wrap again after moving; {_fix_text(fix, values)}.")
+    elif kind == "unexplained":
         summary = ("Gradients went out of sync in {desynced}, yet no as-reported round trip lost "
                    "sync: not the report's mechanism.")
     else:
-        kind = "undetermined"
         summary = ("Not reproduced: no configuration lost gradient sync ({runs}, in this order: "
                    "{in_sync} of {steps} steps bitwise in sync).")
-    if device_skipped and not device_runs:
+    if values["device_skipped"] != "none" and not runs.with_roundtrip("device"):
         summary += " The .cpu()/.cuda() round trip was not run: {device_skipped}."
-    return Verdict(case="device_roundtrip", kind=kind, summary=summary, findings=findings,
-                   values=values, scope=SCOPE,
-                   key_numbers={"buckets reduced per backward after the round trip": "buckets_after",
-                                "steps out of sync after the round trip": "out_of_sync_after",
-                                "steps after the round trip": "steps_after",
-                                "largest cross-rank gradient difference": "max_grad_diff",
-                                "replicas' weight distance at the end": "final_distance",
-                                "re-wrapped: largest loss gap to the in-sync run": "rewrap_loss_gap"})
+    return summary
+
+
+def verdict(records, params: dict) -> Verdict:
+    """kind "bug" when an as-reported round trip made the gradients differ across ranks
+    (DDP's reducer detached); "unexplained" when only other runs lost sync; "undetermined"
+    when every run stayed in sync (the report's failure is not reproduced here)."""
+    rt, steps, world = params["roundtrip_step"], params["steps"], params["world_size"]
+    runs = Runs([run_facts(records, c, rt) for c in configurations(records)])
+    fix = _rewrap_finding(runs.fixed, loss_gap_table(records), steps) if runs.fixed else None
+    values = _values(records, runs, fix, rt, steps, world)
+    kind = _kind(runs)
+    return Verdict(case="device_roundtrip", kind=kind, summary=_summary(kind, runs, fix, values),
+                   findings=_findings(records, runs, fix, rt, steps, world), values=values,
+                   scope=SCOPE, key_numbers=KEY_NUMBERS)

@@ -368,8 +368,9 @@ def worker(params: dict) -> None:
     if dist.get_rank() == 0:
         for skip in skipped:
             emit("configuration_skipped", 1, **skip)
-        if fabric_state[0]:
-            emit("fabric_version", 1, version=fabric_state[1])
+        fabric_ok, fabric_version = fabric_state
+        if fabric_ok:
+            emit("fabric_version", 1, version=fabric_version)
     fabric = make_fabric(device) if any(f == "fabric" for f, _, _ in configurations) else None
     for framework, roundtrip, variant in configurations:
         with labels(framework=framework, roundtrip=roundtrip, variant=variant,

@@ -28,8 +28,7 @@ Records: ``fingerprint_changed``, ``matches_rank0_initial``,
 from __future__ import annotations
 
 from ddplab.cases.base import Case, LaunchPlan
-from ddplab.cases.half_precision import figures, verdict
-from ddplab.cases.half_precision.worker import worker
+from ddplab.cases.half_precision import figures, verdict, worker
 from ddplab.parameters import Parameter, ParameterSet
 
 __all__ = ["CASE", "HalfPrecision"]
@@ -72,6 +71,8 @@ class HalfPrecision(Case):
     tables_by_name = {"fingerprints": figures.fingerprint_table, "norms": figures.norm_table,
                       "versions": figures.versions_markdown}
     run_label = "dtype"
+    worker = worker.worker
+    verdict = verdict.verdict
 
     def check(self, params: dict) -> None:
         """No lane count may exceed the number of weights (a lane with no element is no accumulator)."""
@@ -89,12 +90,6 @@ class HalfPrecision(Case):
 
     def progress_total(self, params: dict) -> int:
         return 1
-
-    def worker(self, params: dict, **kwargs) -> None:
-        worker(params)
-
-    def verdict(self, records, params: dict):
-        return verdict.verdict(records, params)
 
 
 CASE = HalfPrecision()

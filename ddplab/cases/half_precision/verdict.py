@@ -1,9 +1,12 @@
 """Case 02's verdict: what DDP did to the bits, and what made the printed norm small.
 
-Findings keep their numbers in ``values``; the sentences are templates.
+:func:`ddp_facts` reads what the fingerprints say about DDP's constructor
+into a :class:`DdpFacts`; each finding is one function. Findings keep their
+numbers in ``values``; the sentences are templates.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -12,8 +15,9 @@ from ddplab.cases.half_precision.worker import STAGES
 from ddplab.records import label_values, value_of, where
 from ddplab.verdict import Finding, Verdict
 
-__all__ = ["REPORT_NORM_BEFORE", "REPORT_NORM_AFTER", "REPORT_TORCH_VERSION", "SCOPE",
-           "lane_norms", "reference_norm", "torch_norm", "ulps_from_true", "verdict"]
+__all__ = ["REPORT_NORM_BEFORE", "REPORT_NORM_AFTER", "REPORT_TORCH_VERSION", "SCOPE", "DdpFacts",
+           "ddp_facts", "ddp_changed_kept_bits", "lane_norms", "reference_norm", "torch_norm",
+           "ulps_from_true", "verdict"]
 
 #: The norms the report printed (rank 0, 1 GPU, half precision): before and after wrapping.
 REPORT_NORM_BEFORE = 5.65625
@@ -64,51 +68,90 @@ def ulps_from_true(value: float, true_norm: float, dtype: str) -> int:
     return int(ulp_distance(torch.tensor([value], dtype=torch.float64).to(dt), rounded)[0])
 
 
-def _per_rank_changes(frame) -> dict[int, tuple[int, int]]:
-    """rank -> (tensors whose fingerprint changed, tensors)."""
-    return {int(r): (int(g["value"].sum()), len(g)) for r, g in frame.groupby("rank")}
+@dataclasses.dataclass
+class DdpFacts:
+    """What the weights' fingerprints say about DDP's constructor (stage ``ddp``), per rank."""
+
+    changed: dict[int, int]             # rank -> tensors whose bits the constructor changed
+    tensors: dict[int, int]             # rank -> tensors fingerprinted
+    equal_after: int                    # fingerprints (all ranks) equal to rank 0's initial after wrapping
+    fingerprints_after: int
+    all_equal_after: bool
+    differed_before: dict[int, int]     # rank != 0 -> tensors that differed from rank 0's before wrapping
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.changed)
+
+    @property
+    def others(self) -> list[int]:
+        return [r for r in self.changed if r != 0]
+
+    @property
+    def total_changed(self) -> int:
+        return sum(self.changed.values())
+
+    @property
+    def rank0_kept(self) -> bool:
+        return 0 in self.changed and self.changed[0] == 0
+
+    def per_rank(self) -> dict:
+        """Changed and fingerprinted tensors per rank, as a finding quotes them."""
+        return {"changed_per_rank": [self.changed[r] for r in self.ranks],
+                "tensors_per_rank": [self.tensors[r] for r in self.ranks], "ranks": self.ranks}
 
 
-def _ddp_findings(records, same_init: bool) -> tuple[Finding, Finding, bool]:
-    """Did DDP's constructor change bits; does every rank end with rank 0's weights; a bug?"""
+def ddp_facts(records) -> DdpFacts:
     changed = where(records, "fingerprint_changed", stage="ddp")
     matches = where(records, "matches_rank0_initial", stage="ddp")
     matched_before = where(records, "matches_rank0_initial", stage="before")
-    per_rank = _per_rank_changes(changed)
-    agree = Finding(
+    by_rank = {int(r): g["value"] for r, g in changed.groupby("rank")}
+    return DdpFacts(
+        changed={r: int(v.sum()) for r, v in by_rank.items()}, tensors={r: len(v) for r, v in by_rank.items()},
+        equal_after=int(matches["value"].sum()), fingerprints_after=len(matches),
+        all_equal_after=len(matches) > 0 and bool((matches["value"] == 1).all()),
+        differed_before={r: int((where(matched_before, "matches_rank0_initial", rank=r)["value"] == 0).sum())
+                         for r in by_rank if r != 0})
+
+
+def ddp_changed_kept_bits(d: DdpFacts, same_init: bool) -> bool:
+    """A bug: with the same seed DDP must change nothing; with different seeds, keep rank 0's bits."""
+    return d.total_changed > 0 if same_init else not d.rank0_kept
+
+
+def _replicas_finding(d: DdpFacts) -> Finding:
+    return Finding(
         "replicas_equal_after_ddp",
         "After wrapping, every rank holds rank 0's initial weights bit for bit "
         "(DDP's contract: replicas start equal)",
-        len(matches) > 0 and bool((matches["value"] == 1).all()),
+        d.all_equal_after,
         "after wrapping, {equal} of {fingerprints} tensor fingerprints (all ranks) equal rank 0's "
         "from before wrapping",
-        {"equal": int(matches["value"].sum()), "fingerprints": len(matches)})
-    changes = {"changed_per_rank": [per_rank[r][0] for r in sorted(per_rank)],
-               "tensors_per_rank": [per_rank[r][1] for r in sorted(per_rank)],
-               "ranks": sorted(per_rank)}
-    if same_init:
-        n_changed = int(changed["value"].sum()) if len(changed) else 0
-        finding = Finding(
-            "ddp_changed_no_bit", "Wrapping the model in DDP changed no bit of any weight on any rank",
-            len(changed) > 0 and n_changed == 0,
-            "{changed} of {fingerprints} tensor fingerprints (sha256 of the bytes) changed by DDP's "
-            "constructor (changed per rank {ranks}: {changed_per_rank}, of {tensors_per_rank})",
-            {"changed": n_changed, "fingerprints": len(changed), **changes})
-        return finding, agree, n_changed > 0
-    others = [r for r in per_rank if r != 0]
-    differed = {r: int((where(matched_before, "matches_rank0_initial", rank=r)["value"] == 0).sum())
-                for r in others}
-    rank0_kept = 0 in per_rank and per_rank[0][0] == 0
-    replaced = all(per_rank[r][0] == differed[r] > 0 for r in others)
-    finding = Finding(
+        {"equal": d.equal_after, "fingerprints": d.fingerprints_after})
+
+
+def _unchanged_finding(d: DdpFacts) -> Finding:
+    """With the same seed on every rank: DDP's constructor changes no bit anywhere."""
+    fingerprints = sum(d.tensors.values())
+    return Finding(
+        "ddp_changed_no_bit", "Wrapping the model in DDP changed no bit of any weight on any rank",
+        fingerprints > 0 and d.total_changed == 0,
+        "{changed} of {fingerprints} tensor fingerprints (sha256 of the bytes) changed by DDP's "
+        "constructor (changed per rank {ranks}: {changed_per_rank}, of {tensors_per_rank})",
+        {"changed": d.total_changed, "fingerprints": fingerprints, **d.per_rank()})
+
+
+def _broadcast_finding(d: DdpFacts, replicas: Finding) -> Finding:
+    """With a different seed per rank: rank 0 kept its bits, the others took rank 0's."""
+    replaced = all(d.changed[r] == d.differed_before[r] > 0 for r in d.others)
+    return Finding(
         "ddp_broadcast_rank0",
         "DDP's constructor broadcast rank 0's weights: rank 0 kept every bit, each other rank's "
         "differing weights were replaced by rank 0's (a real change, by design)",
-        rank0_kept and bool(others) and replaced and agree.holds,
+        d.rank0_kept and bool(d.others) and replaced and replicas.holds,
         "ranks {ranks}: {changed_per_rank} tensors changed of {tensors_per_rank}; tensors that "
         "differed from rank 0's before wrapping on ranks {others}: {differed}",
-        {**changes, "others": others, "differed": [differed[r] for r in others]})
-    return finding, agree, not rank0_kept
+        {**d.per_rank(), "others": d.others, "differed": [d.differed_before[r] for r in d.others]})
 
 
 def _compile_finding(records) -> Finding:
@@ -219,54 +262,62 @@ def _norm_tracks_bits_finding(records) -> Finding:
         {"sequences": "; ".join(sequences), "unexplained": unexplained or "none"})
 
 
-def verdict(records, params: dict) -> Verdict:
-    """kind "bug" if DDP changed bits it must keep; "by design" if it replaced other ranks'
-    weights by rank 0's (``same_init=False``); "rounding" otherwise."""
-    ddp, agree, ddp_bug = _ddp_findings(records, params["same_init"])
-    lanes = lane_norms(records)
-    installed = _kernel_finding(records, "installed_torch_no_artifact", "cpu", lanes)
-    if installed is None:
-        installed = Finding("installed_torch_no_artifact", "torch's CPU float16 norm", False,
-                            "no torch.norm records")
-    findings = [ddp, agree, _compile_finding(records), _report_finding(records),
-                _stall_finding(records), installed, _norm_tracks_bits_finding(records)]
-    cuda = _kernel_finding(records, "cuda_norm_no_artifact", "cuda", lanes)
-    if cuda is not None:
-        findings.append(cuda)
+def _installed_finding(records, lanes: dict[int, float]) -> Finding:
+    found = _kernel_finding(records, "installed_torch_no_artifact", "cpu", lanes)
+    return found if found is not None else Finding(
+        "installed_torch_no_artifact", "torch's CPU float16 norm", False, "no torch.norm records")
 
-    matching = findings[3].values["matching"]
+
+def _values(records, params: dict, d: DdpFacts, lanes: dict[int, float], report: Finding) -> dict:
+    matching = report.values["matching"]
     k = (8 if 8 in matching else matching[0]) if isinstance(matching, list) else None
     closest = min(lanes, key=lambda key: abs(lanes[key] - REPORT_NORM_BEFORE)) if lanes else None
-    values = {"tensors": len(where(records, "fingerprint_changed", stage="ddp")),
-              "world_size": params["world_size"], "report_norm": REPORT_NORM_BEFORE,
-              "k": k if k is not None else "none", "true_norm": reference_norm(records, "float16"),
-              "closest_k": closest if closest is not None else "none",
-              "closest_norm": lanes.get(closest, math.nan), "lanes": list(lanes),
-              "version": _torch_version(records), "cpu_norm": torch_norm(records, "float16"),
-              "others": list(range(1, params["world_size"])), "changed": ddp.values["changed_per_rank"]}
+    return {"tensors": sum(d.tensors.values()),
+            "world_size": params["world_size"], "report_norm": REPORT_NORM_BEFORE,
+            "k": k if k is not None else "none", "true_norm": reference_norm(records, "float16"),
+            "closest_k": closest if closest is not None else "none",
+            "closest_norm": lanes.get(closest, math.nan), "lanes": list(lanes),
+            "version": _torch_version(records), "cpu_norm": torch_norm(records, "float16"),
+            "others": list(range(1, params["world_size"])), "changed": d.per_rank()["changed_per_rank"]}
+
+
+def _summary(kind: str, values: dict, installed: Finding) -> str:
     norm = ("the {k}-lane float16 accumulator model gives {report_norm:r} (the report's number) "
-            "against a true norm of {true_norm:.4f}" if k is not None else
+            "against a true norm of {true_norm:.4f}" if values["k"] != "none" else
             "the report's {report_norm:r} was not reproduced by any K in {lanes} (closest: "
             "K={closest_k} gives {closest_norm:r}); true norm {true_norm:.4f}")
     kernel = ("the CPU kernel of torch {version} accumulates wider and prints {cpu_norm:r}"
               if installed.holds else
               "the CPU kernel of torch {version} still shows the artifact ({cpu_norm:r})")
-    if ddp_bug:
-        kind, summary = "bug", ("DDP changed the weights it must keep (tensors changed per rank: "
-                                "{changed}). Separately, on the norm: " + norm + "; " + kernel + ".")
-    elif params["same_init"]:
-        kind, summary = "rounding", ("DDP did not change the weights (0 of {tensors} weight "
-                                     "fingerprints changed on {world_size} rank(s)); the fp16 norm "
-                                     "computed without a wider accumulator did: " + norm + ". "
-                                     + kernel[0].upper() + kernel[1:] + ".")
-    else:
-        kind, summary = "by design", ("DDP did change the weights on ranks {others}: its "
-                                      "constructor broadcast rank 0's parameters, which kept every "
-                                      "bit (the ranks were seeded differently). The report's small "
-                                      "norm is a separate matter, float16 accumulation: " + norm
-                                      + "; " + kernel + ".")
-    return Verdict(case="half_precision", kind=kind, summary=summary, findings=findings,
-                   values=values, scope=SCOPE,
+    if kind == "bug":
+        return ("DDP changed the weights it must keep (tensors changed per rank: {changed}). "
+                "Separately, on the norm: " + norm + "; " + kernel + ".")
+    if kind == "rounding":
+        return ("DDP did not change the weights (0 of {tensors} weight fingerprints changed on "
+                "{world_size} rank(s)); the fp16 norm computed without a wider accumulator did: "
+                + norm + ". " + kernel[0].upper() + kernel[1:] + ".")
+    return ("DDP did change the weights on ranks {others}: its constructor broadcast rank 0's "
+            "parameters, which kept every bit (the ranks were seeded differently). The report's small "
+            "norm is a separate matter, float16 accumulation: " + norm + "; " + kernel + ".")
+
+
+def verdict(records, params: dict) -> Verdict:
+    """kind "bug" if DDP changed bits it must keep; "by design" if it replaced other ranks'
+    weights by rank 0's (``same_init=False``); "rounding" otherwise."""
+    d, lanes = ddp_facts(records), lane_norms(records)
+    replicas = _replicas_finding(d)
+    ddp = _unchanged_finding(d) if params["same_init"] else _broadcast_finding(d, replicas)
+    report, installed = _report_finding(records), _installed_finding(records, lanes)
+    findings = [ddp, replicas, _compile_finding(records), report, _stall_finding(records), installed,
+                _norm_tracks_bits_finding(records)]
+    cuda = _kernel_finding(records, "cuda_norm_no_artifact", "cuda", lanes)
+    if cuda is not None:
+        findings.append(cuda)
+    kind = ("bug" if ddp_changed_kept_bits(d, params["same_init"]) else
+            "rounding" if params["same_init"] else "by design")
+    values = _values(records, params, d, lanes, report)
+    return Verdict(case="half_precision", kind=kind, summary=_summary(kind, values, installed),
+                   findings=findings, values=values, scope=SCOPE,
                    key_numbers={"weight fingerprints checked after DDP": "tensors",
                                 "K-lane float16 model matching the report": "k",
                                 "true norm of the weights": "true_norm:.6f",

@@ -31,6 +31,18 @@ from ddplab.parameters import Parameter, ParameterSet
 __all__ = ["CASE", "YourTraining", "BUILTIN_CONFIGURATIONS", "resolve_setup", "resolve_configurations"]
 
 
+def refuse_torchrun(params: dict, **kwargs):
+    """The worker torchrun would start: this case's launches differ in size, so it refuses."""
+    raise ValueError("your_training runs several launches of different sizes (the reference in one "
+                     "process, each configuration on its own ranks); run it with `ddplab report "
+                     "your_training` or ddplab.compare.run, not under torchrun")
+
+
+def verdict(records, params: dict):
+    """The comparison's verdict (:func:`ddplab.compare.verdicts.comparison_verdict`); the records say it all."""
+    return comparison_verdict(records, case="your_training")
+
+
 class YourTraining(Case):
     name = "your_training"
     title = "Your training: a distributed run against a single-process reference, rounding or bug?"
@@ -60,6 +72,8 @@ class YourTraining(Case):
     key_figure = "deviation"
     tables_by_name = {"verdicts": verdicts_markdown}
     run_label = "config"
+    worker = refuse_torchrun
+    verdict = verdict
 
     def check(self, params: dict) -> None:
         """The setup resolves to a usable Setup and the configurations build and fit its batches."""
@@ -83,11 +97,6 @@ class YourTraining(Case):
             return params["steps"]
         return len(global_batches(resolve_setup(params["setup"])))
 
-    def worker(self, params: dict, **kwargs):
-        raise ValueError("your_training runs several launches of different sizes (the reference in one "
-                         "process, each configuration on its own ranks); run it with `ddplab report "
-                         "your_training` or ddplab.compare.run, not under torchrun")
-
     def run(self, params, *, progress: bool = True):
         """Validate, compare (:func:`ddplab.compare.run`), return the tidy records.
 
@@ -103,9 +112,6 @@ class YourTraining(Case):
                                    wall_time=result.wall_time, exitcodes=[], record_list=rows)
             raise LaunchStopped("your_training: the comparison was stopped on request", partial)
         return result.records
-
-    def verdict(self, records, params: dict):
-        return comparison_verdict(records, case=self.name)
 
 
 CASE = YourTraining()

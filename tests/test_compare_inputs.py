@@ -2,6 +2,7 @@
 rank starts; a model that differs from process to process is caught before any configuration runs."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -140,3 +141,15 @@ def test_what_a_launch_would_refuse_is_refused_before_anything_runs():
                             (compare.DDP(2), dict(timeout=float("inf")))):
         with pytest.raises(ValueError):
             compare.run(setup, configs, progress=False, **kwargs)
+
+
+def model_that_never_returns():
+    import time
+    time.sleep(3600)
+
+
+def test_a_model_that_hangs_is_stopped_at_the_timeout_and_named(warm_launcher):
+    setup = dataclasses.replace(examples.digits_setup(0, steps=1), model=model_that_never_returns)
+    with pytest.raises(compare.SetupError, match="model_that_never_returns") as err:
+        compare.run(setup, compare.DDP(2), timeout=4, progress=False)
+    assert "within 4 s" in str(err.value)

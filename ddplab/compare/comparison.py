@@ -310,6 +310,46 @@ def _unavailable_record(config: Configuration, evidence: str, reason: str) -> di
 # --------------------------------------------------------------------------- the entry point
 
 
+def _check_worker(setup: Setup, steps: int | None, divisors: dict) -> dict:
+    """Rank 0 of a 1-rank launch: :func:`check_setup` (run there, so that a setup that hangs is bounded)."""
+    return check_setup(setup, steps=steps, divisors=divisors)
+
+
+def checked_setup(setup: Setup, steps: int | None, divisors: dict, timeout: float) -> dict:
+    """:func:`check_setup`'s facts, computed in a process of its own within ``timeout`` seconds.
+
+    The user's callables (``model()``, the batches, the loss, the optimizer) run there first: one
+    that hangs is stopped at the timeout and named by where it was; one that raises is a
+    :class:`SetupError` with its message. Nothing else has started.
+    """
+    import cloudpickle
+
+    if not isinstance(setup, Setup):
+        raise SetupError(f"expected a ddplab.compare.Setup, got {type(setup).__name__}")
+    try:
+        cloudpickle.dumps(setup)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's to fix, said
+        raise SetupError(f"the setup must be picklable (cloudpickle) to reach the ranks: {exc}") from exc
+    try:
+        result = _launcher.launch(_check_worker, world_size=1, args=(setup, steps, divisors), timeout=timeout)
+    except _launcher.LaunchTimeout as err:
+        place = err.places.get(0)
+        where = (f": it was in {place.frame.function} ({place.frame.file}:{place.frame.line})"
+                 if place is not None else "")
+        raise SetupError(f"trying the setup did not finish within {timeout:g} s{where}; setup.model(), "
+                         f"the batches, the loss or the optimizer does not return") from err
+    except _launcher.RankFailed as err:
+        text = (err.remote_traceback or str(err)).rstrip()
+        if err.exc_type == "SetupError" and "SetupError: " in text:
+            raise SetupError(text.rsplit("SetupError: ", 1)[-1]) from err
+        raise SetupError(f"trying the setup raised {err.exc_type}: {str(err).splitlines()[0]}") from err
+    except _launcher.LaunchStopped:
+        raise
+    except _launcher.LaunchError as err:
+        raise SetupError(f"trying the setup failed: {str(err).splitlines()[0]}") from err
+    return result.returns[0]
+
+
 class _Session:
     """One comparison's launches and analysis inside its scratch folder ``root``."""
 
@@ -487,7 +527,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     if not (isinstance(progress, bool) or callable(progress)):
         raise ValueError(f"progress must be True, False or a callable (config, step, steps), got {progress!r}")
     _launcher.check_timeout(timeout)
-    facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
+    facts = checked_setup(setup, steps, {c.label: c.pieces for c in configs}, timeout)
     steps = facts["steps"]
     runs = reference_runs(configs, promises=not facts["random"])
     batches = global_batches(setup, steps)

@@ -75,6 +75,8 @@ _PAPERMILL_MAIN = ("import sys; sys.modules.setdefault('rfc3987_syntax', None); 
 #: Seconds between two looks at a running notebook.
 POLL_INTERVAL = 0.5
 _CELL_LOG = re.compile(r"Executing Cell (\d+)")
+#: Characters of each log line quoted in an error.
+_LOG_LINE_CHARS = 300
 
 
 @dataclasses.dataclass
@@ -221,7 +223,8 @@ def execute_notebook(notebook: str | os.PathLike, output: str | os.PathLike, *,
     if "Kernel died" in log_text or "DeadKernelError" in log_text or returncode == 138:
         return ExecutionOutcome(NotebookStatus.KERNEL_DIED, seconds, returncode, failing_cell=running,
                                 error="the kernel died while executing", log_path=str(log_path))
-    tail = "\n".join(log_text.strip().splitlines()[-5:])
+    # The log's last lines say why; a line of the notebook's own output can be megabytes long.
+    tail = "\n".join(line[:_LOG_LINE_CHARS] for line in log_text.strip().splitlines()[-5:])
     return ExecutionOutcome(NotebookStatus.FAILED, seconds, returncode, failing_cell=running,
                             error=f"papermill exited with {returncode}: {tail}",
                             log_path=str(log_path))

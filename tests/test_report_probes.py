@@ -170,6 +170,50 @@ def test_a_full_disk_fails_the_case_and_keeps_the_previous_report_whole(tmp_path
     assert seen["index"]["status"] == "failed" and "No space left" in seen["index"]["error"]
 
 
+#: Runs in the mount namespace: a case publishes, then runs again with a notebook whose output
+#: fills the disk while it runs; prints what it saw as JSON.
+FILLS_WHILE_RUNNING_DRIVER = """
+import hashlib, json, pathlib, sys
+from ddplab.report import plan_batch, run_batch
+from notebook_cases import notebook_case
+
+small, big, out = map(pathlib.Path, sys.argv[1:4])
+first = run_batch(plan_batch([notebook_case("tiny", small)]), out, timeout=120, echo=lambda _: None)
+files = lambda: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "tiny").iterdir()}
+before = files()
+lines = []
+second = run_batch(plan_batch([notebook_case("tiny", big)]), out, timeout=120, echo=lines.append)
+print(json.dumps({"first": first[0].status, "status": second[0].status, "error": second[0].error,
+                  "before": before, "after": files(), "lines": lines,
+                  "hidden": [str(p) for p in out.rglob(".*")],
+                  "index": json.loads((out / "index.json").read_text())["cases"][0]}))
+"""
+
+
+@needs_mount
+def test_a_disk_that_fills_while_the_notebook_runs_fails_the_case_and_keeps_the_report(tmp_path):
+    """Issue 33 item 6: papermill's output notebook is cut short by ENOSPC while the notebook runs."""
+    disk = tmp_path / "disk"
+    driver = tmp_path / "driver.py"
+    driver.write_text(FILLS_WHILE_RUNNING_DRIVER)
+    small = _notebook(tmp_path / "small.ipynb", "print('a small notebook')")
+    # 4 MB of output on a 2 MB disk: papermill's saves of the notebook and its log hit ENOSPC.
+    big = _notebook(tmp_path / "big.ipynb", "for i in range(1000):\n    print('x' * 4000)",
+                    "print('never reached')")
+    proc = _on_tmpfs(disk, "size=2m", [PY, str(driver), str(small), str(big), str(disk / "reports")],
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["first"] == "ok" and "report.html" in seen["before"]
+    assert seen["status"] == "failed", seen
+    assert "No space left on device" in seen["error"] and "unchanged" in seen["error"], seen["error"]
+    assert len(seen["error"]) < 3000  # the reason, not the notebook's output
+    assert any("tiny: failed" in line and "No space left" in line for line in seen["lines"])
+    assert seen["after"] == seen["before"]  # the earlier report, every file, as it was
+    assert seen["hidden"] == []  # no scratch: the cut-short notebook, the log, the results
+    assert seen["index"]["status"] == "failed" and "No space left" in seen["index"]["error"]
+
+
 # ---------------------------------------------------------------- a kernel killed mid-batch
 
 

@@ -84,7 +84,7 @@ def summary_markdown(outcome: CaseOutcome, *, params: dict, given: dict | None =
     if figure_name:
         lines += [f"![key figure]({figure_name})", ""]
     reproduced = _reproduced(outcome.reproduces)
-    lines += [f"Reproduce: {markup.code(command)} (run time {outcome.seconds:.1f} s). "
+    lines += [f"Reproduce: {markup.code_span(command)} (run time {outcome.seconds:.1f} s). "
               + (f"Reproduces {markup.text(reproduced.citation())}." if reproduced else ""), ""]
     if verdict is not None:
         held = sum(f.holds is True for f in verdict.findings)

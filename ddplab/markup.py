@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping
 
 from ddplab.glossary import NotebookStatus
 
-__all__ = ["text", "code", "code_block", "table", "parameters_table", "status_badge", "STATUS_COLOURS",
+__all__ = ["text", "code", "code_span", "code_block", "table", "parameters_table", "status_badge", "STATUS_COLOURS",
            "status_css"]
 
 #: Characters that HTML, Markdown inside a line (code, emphasis, links, table cells, escapes,
@@ -53,14 +53,28 @@ def code(value: Any) -> str:
     return f"<code>{text(value)}</code>"
 
 
-def code_block(source: str, language: str = "") -> str:
-    """A fenced code block holding ``source`` verbatim: the fence is longer than any run of
-    backticks inside it, so nothing in ``source`` can close it."""
-    run, longest = 0, 0
+def _longest_backtick_run(source: str) -> int:
+    run = longest = 0
     for ch in source:
         run = run + 1 if ch == "`" else 0
         longest = max(longest, run)
-    fence = "`" * max(3, longest + 1)
+    return longest
+
+
+def code_span(source: Any) -> str:
+    """``source`` as an inline code span, shown verbatim (a command to copy): its fence is longer
+    than any run of backticks inside, so nothing in it can end the span. Not for table cells
+    (a ``|`` would still split the cell there): use :func:`code`."""
+    source = str(source).replace("\n", " ")
+    fence = "`" * (_longest_backtick_run(source) + 1)
+    pad = " " if source.startswith("`") or source.endswith("`") else ""
+    return f"{fence}{pad}{source}{pad}{fence}"
+
+
+def code_block(source: str, language: str = "") -> str:
+    """A fenced code block holding ``source`` verbatim: the fence is longer than any run of
+    backticks inside it, so nothing in ``source`` can close it."""
+    fence = "`" * max(3, _longest_backtick_run(source) + 1)
     return f"{fence}{language}\n{source.rstrip()}\n{fence}\n"
 
 

@@ -67,19 +67,23 @@ DEFAULT_TIMEOUT = 900.0
 @dataclasses.dataclass
 class PlannedCase:
     """A case the batch will run: the case, its validated parameters (the notebook's input/output
-    parameters among them) and how the user named it (a built-in name or a module path)."""
+    parameters among them), how the user named it (a built-in name or a module path) and the
+    steps each of its launches will report, by progress label (for the progress line)."""
 
     case: Case
     params: dict
     named: str
+    steps: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.case.name
 
-    def planned_steps(self) -> dict[str, int]:
-        """Steps each launch will report, by progress label."""
-        return {f"{self.name} {p.label}".strip(): p.steps for p in self.case.launches(self.params) if p.steps}
+
+def _checked(case: Case, values: dict) -> tuple[dict, dict[str, int]]:
+    """The case's full parameters and its launches' steps (both may call the user's code)."""
+    params = case.check_params(values)
+    return params, {f"{case.name} {p.label}".strip(): p.steps for p in case.launches(params) if p.steps}
 
 
 def _as_case(item: "str | Case") -> tuple[Case, str]:
@@ -155,14 +159,14 @@ def plan_batch(cases: Iterable["str | Case"] = (), *, overrides: Iterable[tuple[
             raise ValueError("parameter 'results_dir' is set by ddplab report (reports/<case>/results)")
         given = ", ".join(f"{k}={v!r}" for k, v in values.items())
         try:
-            params = call_bounded(case.check_params, values, timeout=timeout,
-                                  what=f"checking its parameters ({given or 'the defaults'})")
+            params, steps = call_bounded(_checked, case, values, timeout=timeout,
+                                         what=f"checking its parameters ({given or 'the defaults'})")
         except ValueError as exc:
             raise ValueError(f"case {case.name!r}: {exc}") from None
         if io.get("run_dir") is not None and not pathlib.Path(io["run_dir"]).is_dir():
             raise ValueError(f"case {case.name!r}: parameter 'run_dir': {io['run_dir']!r} is not a directory")
         params.update(io)
-        planned.append(PlannedCase(case, params, named))
+        planned.append(PlannedCase(case, params, named, steps))
     return planned
 
 
@@ -296,7 +300,7 @@ def _execute(batch: Batch, index: int, planned: PlannedCase) -> ExecutionOutcome
         env={"DDPLAB_BATCH": "1", "PYTHONUNBUFFERED": "1",
              PROGRESS_FILE_ENV: str(progress_file.resolve())},
         on_poll=_progress_printer(planned.name, index, batch.total, batch.echo, progress_file,
-                                  planned.planned_steps(), interactive=batch.interactive),
+                                  planned.steps, interactive=batch.interactive),
         stop=batch.stop)
     if batch.interactive:
         sys.stdout.write("\n")

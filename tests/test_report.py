@@ -226,7 +226,7 @@ def test_index_and_summary(batch):
     # Short first: verdict, scope, key numbers, figure, command; the findings folded below.
     assert summary.index("**Verdict (rounding):**") < summary.index("*Scope:* the fixture") \
         < summary.index("| records | 6 |") < summary.index("![key figure]") \
-        < summary.index("Reproduce: <code>ddplab report ") < summary.index("<details>")
+        < summary.index("Reproduce: `ddplab report ") < summary.index("<details>")
     assert "| ✔ holds | every loss is finite |" in summary.split("<details>", 1)[1]
     assert "![key figure](key-figure.png)" in summary
     assert (out / "good" / "key-figure.png").read_bytes().startswith(b"\x89PNG")

@@ -135,6 +135,7 @@ def test_the_summary_shows_data_literally_in_a_markdown_renderer():
 # ---------------------------------------------------------------- end to end: a run folder's error
 
 
+@pytest.mark.browser
 def test_a_run_folders_error_and_a_path_with_markup_stay_text_in_the_report(tmp_path):
     """Issue 33 item 7: rank-0.error.json holding a script, in a run folder named with a backtick
     and an <img onerror>, through `ddplab report` (papermill, nbconvert) into Chromium."""
@@ -154,3 +155,14 @@ def test_a_run_folders_error_and_a_path_with_markup_stay_text_in_the_report(tmp_
     assert (facts["ran"], facts["dialogs"], facts["handlers"], facts["scripts"]) == (False, [], [], [])
     assert SCRIPT in facts["text"] and IMAGE in facts["text"]
     assert inert_page_facts(tmp_path / "out" / "index.html")["ran"] is False
+
+
+def test_the_page_renderers_sit_below_the_case_framework():
+    """html_report and index_page render from data: importing them loads no case, notebook helper
+    or comparison (they used to import the parameters table from ddplab.notebook)."""
+    code = ("import sys, ddplab.html_report, ddplab.index_page; print(sorted(m for m in sys.modules "
+            "if m.startswith(('ddplab.cases', 'ddplab.notebook', 'ddplab.compare', 'ddplab.report'))))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

@@ -119,4 +119,6 @@ def test_a_cluster_run_becomes_the_same_html_report(case01_run, tmp_path):
     assert outcome.verdict.finding("two_ranks_bitwise").holds is None  # W=2 was not in this run
     assert outcome.verdict.holds("same_order_reproducible")
     summary = (tmp_path / "reports" / "backend_divergence" / "summary.md").read_text()
-    assert "| world_sizes | `[4]` |" in summary  # the run's parameters, not the defaults
+    from ddplab import markup
+    # The run's parameters, not the defaults.
+    assert f"| {markup.text('world_sizes')} | {markup.code([4])} |" in summary

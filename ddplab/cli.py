@@ -39,7 +39,9 @@ def _jobs(text: str) -> int:
 
 def _cmd_report(opts) -> int:
     from ddplab.report import run_report
-    return run_report(opts)
+    return run_report(cases=opts.cases, overrides=opts.param or (), params_file=opts.params,
+                      quick=opts.quick, output=opts.output, no_input=opts.no_input,
+                      timeout=opts.timeout, jobs=opts.jobs)
 
 
 def _cmd_run(opts) -> int:
@@ -103,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--no-input", action="store_true",
                         help="hide code cells in the HTML (outputs and tracebacks stay)")
     report.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT,
-                        help=f"seconds per notebook before it is stopped (default {DEFAULT_TIMEOUT:g})")
+                        help=f"seconds per notebook before it is stopped, and per case for checking its "
+                             f"parameters (which may import and call your setup) (default {DEFAULT_TIMEOUT:g})")
     report.add_argument("--jobs", type=_jobs, default=1, metavar="N",
                         help="notebooks run at once (default 1; 2 on 2 cores: the batch in about "
                              "three quarters of the time, each case slower)")

@@ -37,13 +37,15 @@ def environment_info(backend: str | None = None, world_sizes: list[int] | None =
 
 
 def environment_markdown(info: dict) -> str:
-    """The environment as a two-column Markdown table."""
-    rows = ["| | |", "|---|---|"]
+    """The environment as a two-column Markdown table (values shown literally: they are data)."""
+    from ddplab import markup
+
+    rows = []
     for key in ("ddplab", "torch", "python", "backend", "world_sizes", "cpu", "cpu_count",
-                "gpus", "gpu_names", "cuda", "nccl", "platform", "date"):
+                "gpus", "gpu_names", "cuda", "nccl", "platform", "date", "note"):
         if key in info and info[key] not in (None, [], ""):
             value = info[key]
             if isinstance(value, list):
                 value = ", ".join(map(str, value))
-            rows.append(f"| {key} | {value} |")
-    return "\n".join(rows) + "\n"
+            rows.append([markup.text(key), markup.text(value)])
+    return markup.table(["", ""], rows)

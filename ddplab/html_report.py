@@ -14,42 +14,46 @@ import pathlib
 
 import nbformat
 
+from ddplab import markup
 from ddplab.environment import environment_markdown
+from ddplab.glossary import NotebookStatus
 from ddplab.math_markup import tex_to_mathml
-from ddplab.notebook import parameters_markdown
 from ddplab.verdict import Verdict
 
 __all__ = ["TEMPLATE_DIR", "header_markdown", "notebook_to_html"]
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 TEMPLATE_NAME = "ddplab_report"
+#: Said where a verdict would be when the run ended before computing one.
+NO_VERDICT = "_No verdict: the run ended before the verdict was computed._\n"
 
 
-def header_markdown(*, title: str, status: str, seconds: float | None, verdict: Verdict | None,
-                    params: dict | None, environment: dict | None,
+def header_markdown(*, title: str, status: NotebookStatus, seconds: float | None, verdict: Verdict | None,
+                    params: dict | None, environment: dict | None, given: dict | None = None,
                     failing_cell: int | None = None, error: str = "",
                     failing_source: str | None = None) -> str:
-    """The block every report starts with (Markdown, rendered by nbconvert)."""
-    css = "ddplab-status-" + status.replace(" ", "-")
+    """The block every report starts with (Markdown, rendered by nbconvert).
+
+    Every text in it that comes from data -- the title, the error, the
+    parameters (``params`` as they ran, ``given`` as they were set), the
+    environment, the verdict's words -- is shown literally (:mod:`ddplab.markup`).
+    """
+    status = NotebookStatus.parse(status)
     took = f" — run time {seconds:.1f} s" if seconds is not None else ""
-    parts = [f"# {title}", f'<span class="ddplab-status {css}">{status}</span>{took}', ""]
-    if status != "ok":
+    parts = [f"# {markup.text(title)}", f"{markup.status_badge(status)}{took}", ""]
+    if status != NotebookStatus.OK:
         where = f" in cell {failing_cell}" if failing_cell is not None else ""
-        parts.append(f"**The run did not complete{where}:** {error or status}. "
+        parts.append(f"**The run did not complete{where}:** {markup.text(error or status)}. "
                      "The cells below show everything up to that point, including the traceback.")
         if failing_source:
-            parts.append("\n```python\n" + failing_source.strip() + "\n```\n")
+            parts.append("\n" + markup.code_block(failing_source.strip(), "python"))
     parts.append("## Verdict\n")
     if verdict is not None:
-        parts.append(f"**Verdict ({verdict.kind}):** {verdict.headline}\n")
-        if verdict.scope:
-            parts.append(f"*Scope:* {verdict.scope}\n")
-        parts.append(verdict.key_numbers_markdown())
-        parts.append(verdict.findings_markdown())
+        parts += [verdict.header_markdown(), verdict.key_numbers_markdown(), verdict.findings_markdown()]
     else:
-        parts.append("_No verdict: the run ended before the verdict was computed._\n")
+        parts.append(NO_VERDICT)
     if params:
-        parts.append("## Parameters\n\n" + parameters_markdown(params))
+        parts.append("## Parameters\n\n" + markup.parameters_table(params, given))
     if environment:
         parts.append("## Environment\n\n" + environment_markdown(environment))
     return "\n".join(parts)
@@ -81,5 +85,5 @@ def notebook_to_html(nb: nbformat.NotebookNode, *, header: str | None = None,
                             extra_template_basedirs=[str(TEMPLATE_DIR)])
     exporter.exclude_input = no_input
     exporter.exclude_input_prompt = no_input
-    body, _ = exporter.from_notebook_node(nb)
+    body, _ = exporter.from_notebook_node(nb, resources={"ddplab_status_css": markup.status_css()})
     return body

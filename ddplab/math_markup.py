@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import html
 import re
 
 __all__ = ["tex_to_mathml"]
@@ -23,13 +24,30 @@ _DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.S)
 _INLINE = re.compile(r"(?<![\\$])\$(?!\s)([^$\n]+?)(?<![\s\\])\$(?!\d)")
 
 
+# latex2mathml copies \text{...} into <mtext> as it is: markup there would be live HTML. A
+# conversion is kept only when every tag is MathML's and no attribute is an event handler or link.
+_MATHML_TAGS = frozenset("math semantics annotation mrow mi mo mn ms mtext mspace mfrac msqrt mroot "
+                         "msub msup msubsup munder mover munderover mmultiscripts mprescripts none "
+                         "mtable mtr mtd mstyle mpadded mphantom menclose merror mfenced".split())
+_TAG = re.compile(r"<\s*/?\s*([A-Za-z][\w:-]*)([^>]*)>")
+_UNSAFE_ATTRIBUTE = re.compile(r"\b(on\w+|href|src|style)\s*=", re.I)
+
+
+def _safe_mathml(mathml: str) -> bool:
+    return all(tag.lower() in _MATHML_TAGS and not _UNSAFE_ATTRIBUTE.search(attributes)
+               for tag, attributes in _TAG.findall(mathml))
+
+
 def _convert(tex: str, display: str) -> str:
     from latex2mathml.converter import convert
 
     try:
-        return convert(tex.strip(), display=display)
+        mathml = convert(tex.strip(), display=display)
     except Exception:  # noqa: BLE001 - a formula the converter cannot read stays as written
-        return f"<code>{tex}</code>"
+        mathml = None
+    if mathml is None or not _safe_mathml(mathml):
+        return f"<code>{html.escape(tex)}</code>"
+    return mathml
 
 
 def _math(text: str) -> str:

@@ -25,11 +25,11 @@ from typing import Any, Mapping
 from ddplab.artifacts import save_results
 from ddplab.cases import Case, get_case
 from ddplab.environment import environment_markdown
+from ddplab.markup import parameters_table
 from ddplab.progress import in_batch
 from ddplab.verdict import Verdict
 
-__all__ = ["setup", "CaseSession", "IO_PARAMETERS", "KERNELSPEC", "parameters_markdown",
-           "parameters_source", "template_notebook"]
+__all__ = ["setup", "CaseSession", "IO_PARAMETERS", "KERNELSPEC", "parameters_source", "template_notebook"]
 
 #: Notebook parameters every case notebook has besides its case's own.
 IO_PARAMETERS = ("results_dir", "run_dir")
@@ -37,12 +37,6 @@ IO_PARAMETERS = ("results_dir", "run_dir")
 #: this environment (``ipykernel install --sys-prefix --name ddplab``), so
 #: JupyterLab starts ddplab's Python, not whichever "python3" it finds first.
 KERNELSPEC = {"name": "ddplab", "display_name": "Python (ddplab)", "language": "python"}
-
-
-def parameters_markdown(params: dict) -> str:
-    rows = ["| parameter | value |", "|---|---|"]
-    rows += [f"| {k} | `{v!r}` |" for k, v in params.items()]
-    return "\n".join(rows) + "\n"
 
 
 def _warnings_to_stdout() -> None:
@@ -164,7 +158,7 @@ def setup(case: "str | Case", namespace: Mapping[str, Any] | None = None, *,
     session = CaseSession(case, params, environment, results_dir=namespace.get("results_dir"),
                           run_dir=namespace.get("run_dir"))
     if display:
-        _display_markdown(f"### Parameters\n\n{parameters_markdown(params)}\n"
+        _display_markdown(f"### Parameters\n\n{parameters_table(params)}\n"
                           f"### Environment\n\n{environment_markdown(environment)}")
     return session
 

@@ -33,13 +33,11 @@ from typing import Callable
 
 import yaml
 
+from ddplab.glossary import NotebookStatus
 from ddplab.process_tree import descendants, kill_all, kill_tree
 
-__all__ = ["ExecutionOutcome", "StopRequest", "execute_notebook", "skip_iri_checker", "STATUSES",
-           "STOP_SIGNALS"]
+__all__ = ["ExecutionOutcome", "StopRequest", "execute_notebook", "skip_iri_checker", "STOP_SIGNALS"]
 
-#: What an execution can end as.
-STATUSES = ("ok", "failed", "timed out", "kernel died", "interrupted")
 #: Signals that stop a run cleanly while :meth:`StopRequest.catching` is active.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Longest temporary folder a run's own folder goes in. The kernel's
@@ -77,6 +75,8 @@ _PAPERMILL_MAIN = ("import sys; sys.modules.setdefault('rfc3987_syntax', None); 
 #: Seconds between two looks at a running notebook.
 POLL_INTERVAL = 0.5
 _CELL_LOG = re.compile(r"Executing Cell (\d+)")
+#: Characters of each log line quoted in an error.
+_LOG_LINE_CHARS = 300
 
 
 @dataclasses.dataclass
@@ -87,16 +87,19 @@ class ExecutionOutcome:
     raised or was running when the run was stopped; ``error`` a short text.
     """
 
-    status: str
+    status: NotebookStatus
     seconds: float
     returncode: int | None
     failing_cell: int | None = None
     error: str = ""
     log_path: str | None = None
 
+    def __post_init__(self):
+        self.status = NotebookStatus.parse(self.status)
+
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status == NotebookStatus.OK
 
 
 class StopRequest:
@@ -198,38 +201,39 @@ def execute_notebook(notebook: str | os.PathLike, output: str | os.PathLike, *,
     stop = stop or StopRequest()
     t0 = time.perf_counter()
     try:
-        ended, returncode, cell = _wait(cmd, full_env, log_path, timeout, t0, on_poll, stop)
+        stopped, returncode, cell = _wait(cmd, full_env, log_path, timeout, t0, on_poll, stop)
     finally:
         params_path.unlink(missing_ok=True)
         shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.perf_counter() - t0
-    if ended != "exited":  # "interrupted" or "timed out": the cell that was running is named
+    if stopped is not None:  # interrupted or timed out: the cell that was running is named
         _, running, _ = _cell_status(output)
-        error = (f"stopped by {stop.signal_name} after {seconds:.0f} s" if ended == "interrupted"
+        error = (f"stopped by {stop.signal_name} after {seconds:.0f} s" if stopped == NotebookStatus.INTERRUPTED
                  else f"stopped after {timeout:g} s (per-notebook timeout)")
-        return ExecutionOutcome(ended, seconds, returncode,
+        return ExecutionOutcome(stopped, seconds, returncode,
                                 failing_cell=running if running is not None else cell,
                                 error=error, log_path=str(log_path))
     failed, running, error = _cell_status(output)
     log_text = log_path.read_text(errors="replace")
     if returncode == 0 and failed is None:
-        return ExecutionOutcome("ok", seconds, 0, log_path=str(log_path))
+        return ExecutionOutcome(NotebookStatus.OK, seconds, 0, log_path=str(log_path))
     if failed is not None:
-        return ExecutionOutcome("failed", seconds, returncode, failing_cell=failed,
+        return ExecutionOutcome(NotebookStatus.FAILED, seconds, returncode, failing_cell=failed,
                                 error=error or "a cell raised", log_path=str(log_path))
     if "Kernel died" in log_text or "DeadKernelError" in log_text or returncode == 138:
-        return ExecutionOutcome("kernel died", seconds, returncode, failing_cell=running,
+        return ExecutionOutcome(NotebookStatus.KERNEL_DIED, seconds, returncode, failing_cell=running,
                                 error="the kernel died while executing", log_path=str(log_path))
-    tail = "\n".join(log_text.strip().splitlines()[-5:])
-    return ExecutionOutcome("failed", seconds, returncode, failing_cell=running,
+    # The log's last lines say why; a line of the notebook's own output can be megabytes long.
+    tail = "\n".join(line[:_LOG_LINE_CHARS] for line in log_text.strip().splitlines()[-5:])
+    return ExecutionOutcome(NotebookStatus.FAILED, seconds, returncode, failing_cell=running,
                             error=f"papermill exited with {returncode}: {tail}",
                             log_path=str(log_path))
 
 
 def _wait(cmd: list[str], env: dict, log_path: pathlib.Path, timeout: float, t0: float,
-          on_poll, stop: StopRequest) -> tuple[str, int | None, int | None]:
-    """Run ``cmd``; return (how it ended: "exited", "timed out" or "interrupted",
-    return code, last cell seen in the log)."""
+          on_poll, stop: StopRequest) -> tuple[NotebookStatus | None, int | None, int | None]:
+    """Run ``cmd``; return (None when it exited by itself, else the status it was stopped
+    with: timed out or interrupted; return code; last cell seen in the log)."""
     cell = None
     family: list = []
     with open(log_path, "w") as log:
@@ -248,13 +252,13 @@ def _wait(cmd: list[str], env: dict, log_path: pathlib.Path, timeout: float, t0:
                 time.sleep(POLL_INTERVAL)
             else:
                 if not stop.requested:
-                    return "exited", proc.returncode, cell
+                    return None, proc.returncode, cell
             _kill_tree(proc)
             kill_all(family)
         except BaseException:
             _kill_tree(proc)
             raise
-    return ("interrupted" if stop.requested else "timed out"), proc.returncode, cell
+    return (NotebookStatus.INTERRUPTED if stop.requested else NotebookStatus.TIMED_OUT), proc.returncode, cell
 
 
 def _last_cell(log_path: pathlib.Path) -> int | None:

@@ -9,8 +9,14 @@ and ``papermill.log``. Finally ``reports/index.html`` lists every case.
 A failing or timed-out notebook does not stop the others; the command exits
 non-zero if any case did not end ok. A case's files are written under
 temporary names and renamed into place together once all are written, so a
-re-run -- or a disk that fills up -- never leaves a half-written report
-behind; a case whose files cannot be written ends "failed", saying why.
+re-run -- or a disk that fills up, while the notebook runs or while its
+report is written -- never leaves a half-written report behind; a case whose
+files cannot be written ends "failed", saying why, and keeps its earlier report.
+
+Everything checkable is checked before any notebook runs (:func:`plan_batch`):
+names, values, the rules between them -- and for a case whose check calls
+the user's code (``-p setup mypackage:fn``), that call is bounded by
+``--timeout`` and its ``sys.exit()`` is an error (:mod:`ddplab.user_code`).
 
 ``jobs`` notebooks run at once (``--jobs``). Each case is mostly one process
 at a time -- a kernel drawing figures, a papermill waiting, two ranks
@@ -41,123 +47,126 @@ import yaml
 from ddplab.artifacts import atomic_write_files, load_results, local_path_scrubber, scrub_notebook
 from ddplab.cases import Case, case_names, check_case_name, get_case
 from ddplab.environment import environment_info
+from ddplab.glossary import NotebookStatus
 from ddplab.html_report import header_markdown, notebook_to_html
 from ddplab.index_page import CaseOutcome, summary_markdown, write_index
-from ddplab.notebook_run import StopRequest, execute_notebook
-from ddplab.parameters import ParameterSet
-from ddplab.progress import PROGRESS_FILE_ENV, read_progress
 from ddplab.notebook import IO_PARAMETERS
+from ddplab.notebook_run import ExecutionOutcome, StopRequest, execute_notebook
+from ddplab.progress import PROGRESS_FILE_ENV, read_progress
+from ddplab.user_code import call_bounded
 from ddplab.verdict import Verdict, verdicts_from_notebook
 
-__all__ = ["CaseSpec", "case_specs", "check_output_dir", "plan_batch", "run_batch", "run_report",
+__all__ = ["PlannedCase", "Batch", "check_output_dir", "plan_batch", "run_batch", "run_report",
            "DEFAULT_TIMEOUT", "IO_PARAMETERS"]
 
-#: Seconds one notebook may run before it is stopped and reported as timed out.
+#: Seconds one notebook may run before it is stopped and reported as timed out; also the
+#: seconds a case's parameter check may take (it may call the user's code).
 DEFAULT_TIMEOUT = 900.0
 
 
 @dataclasses.dataclass
-class CaseSpec:
-    """A notebook the batch can run, with the parameters it accepts (the report's view of a case)."""
+class PlannedCase:
+    """A case the batch will run: the case, its validated parameters (the notebook's input/output
+    parameters among them), how the user named it (a built-in name or a module path) and the
+    steps each of its launches will report, by progress label (for the progress line)."""
 
-    name: str
-    title: str
-    notebook: pathlib.Path
-    parameters: ParameterSet
-    quick: dict = dataclasses.field(default_factory=dict)
-    #: The reproduced report's id (:mod:`ddplab.reproduced`), None for a case of one's own.
-    reproduces: str | None = None
-    #: Full validation (the case's check_params); defaults to ``parameters.validate``.
-    check: Callable[[dict], dict] | None = None
-    #: How the user names the case (a built-in name or a module path): used in commands.
-    path: str | None = None
-    #: The case's launch plan for given parameters (for progress and its estimate).
-    plan: Callable[[dict], list] | None = None
+    case: Case
+    params: dict
+    named: str
+    steps: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        check_case_name(self.name)  # it becomes a folder under --output
-
-    def validate(self, values: dict) -> dict:
-        return (self.check or self.parameters.validate)(values)
-
-    def planned_steps(self, params: dict) -> dict[str, int]:
-        """Steps each launch will report, by progress label (empty when unknown)."""
-        if self.plan is None:
-            return {}
-        return {f"{self.name} {p.label}".strip(): p.steps for p in self.plan(params) if p.steps}
-
-    @classmethod
-    def of(cls, case: Case, path: str | None = None) -> "CaseSpec":
-        notebook = case.notebook_path()
-        if not notebook.exists():
-            raise ValueError(f"case {case.name!r}: notebook {notebook} does not exist")
-        return cls(name=case.name, title=case.title, notebook=notebook, parameters=case.parameters,
-                   quick=dict(case.quick), reproduces=case.reproduces, check=case.check_params,
-                   path=path or case.name, plan=case.launches)
+    @property
+    def name(self) -> str:
+        return self.case.name
 
 
-def case_specs(names: Iterable[str] | None = None) -> list[CaseSpec]:
-    """Specs of the named cases (built-in names or dotted paths), or of every built-in case."""
-    return [CaseSpec.of(get_case(name), name) for name in (list(names) if names else case_names())]
+def _checked(case: Case, values: dict) -> tuple[dict, dict[str, int]]:
+    """The case's full parameters and its launches' steps (both may call the user's code)."""
+    params = case.check_params(values)
+    return params, {f"{case.name} {p.label}".strip(): p.steps for p in case.launches(params) if p.steps}
 
 
-def plan_batch(specs: list[CaseSpec], *, overrides: Iterable[tuple[str, str]] = (),
-               params_file: str | os.PathLike | None = None, quick: bool = False) -> list[tuple[CaseSpec, dict]]:
+def _as_case(item: "str | Case") -> tuple[Case, str]:
+    """The case ``item`` names and how a command names it; ValueError before anything runs."""
+    case = get_case(item)
+    check_case_name(case.name)  # it becomes a folder under --output
+    notebook = case.notebook_path()
+    if not notebook.exists():
+        raise ValueError(f"case {case.name!r}: notebook {notebook} does not exist")
+    if isinstance(item, str):
+        return case, item
+    return case, case.name if case.name in case_names() else type(case).__module__
+
+
+def _read_params_file(params_file, selected: set[str]) -> tuple[dict[str, dict], dict]:
+    """``(per case, shared)`` from a YAML parameters file (see :func:`plan_batch`)."""
+    try:
+        loaded = yaml.safe_load(pathlib.Path(params_file).read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read parameters file {params_file}: {exc}") from None
+    except yaml.constructor.ConstructorError as exc:
+        # safe_load builds plain data only: a tag such as !!python/object would run code.
+        raise ValueError(f"parameters file {params_file} holds a YAML tag that is not plain data "
+                         f"({exc.problem}); only plain YAML is read (mappings, lists, numbers, "
+                         f"strings)") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"parameters file {params_file} is not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"parameters file {params_file} must hold a mapping")
+    per_case: dict[str, dict] = {}
+    shared: dict = {}
+    for key, value in loaded.items():
+        if key in case_names() or key in selected:
+            if key not in selected:
+                continue  # a section for a case not selected this time
+            if not isinstance(value, dict):
+                raise ValueError(f"parameters file {params_file}: section {key!r} must be a mapping")
+            per_case[key] = value
+        else:
+            shared[key] = value
+    return per_case, shared
+
+
+def plan_batch(cases: Iterable["str | Case"] = (), *, overrides: Iterable[tuple[str, str]] = (),
+               params_file: str | os.PathLike | None = None, quick: bool = False,
+               timeout: float = DEFAULT_TIMEOUT) -> list[PlannedCase]:
     """Validated parameters per case: defaults < quick < params file < ``-p`` overrides.
 
-    ``params_file`` is YAML: ``{case: {name: value}}`` per case, or a flat
-    ``{name: value}`` applied like ``-p``. A ``-p``/flat name applies to every
-    selected case that declares it and is an error if none does. Raises
-    ValueError (naming the case and parameter) before anything runs.
+    ``cases``: built-in names, module paths or :class:`~ddplab.cases.Case` s
+    (default: every built-in case). ``params_file`` is YAML: ``{case: {name:
+    value}}`` per case, or a flat ``{name: value}`` applied like ``-p``. A
+    ``-p``/flat name applies to every selected case that declares it and is
+    an error if none does. Each case's check runs within ``timeout`` seconds
+    (:func:`~ddplab.user_code.call_bounded`: it may call the user's code).
+    Raises ValueError (naming the case and parameter) before anything runs.
     """
-    names = {s.name for s in specs}
-    per_case: dict[str, dict] = {s.name: {} for s in specs}
-    shared: dict = {}
-    if params_file is not None:
-        try:
-            loaded = yaml.safe_load(pathlib.Path(params_file).read_text()) or {}
-        except OSError as exc:
-            raise ValueError(f"cannot read parameters file {params_file}: {exc}") from None
-        except yaml.constructor.ConstructorError as exc:
-            # safe_load builds plain data only: a tag such as !!python/object would run code.
-            raise ValueError(f"parameters file {params_file} holds a YAML tag that is not plain data "
-                             f"({exc.problem}); only plain YAML is read (mappings, lists, numbers, "
-                             f"strings)") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"parameters file {params_file} is not valid YAML: {exc}") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(f"parameters file {params_file} must hold a mapping")
-        for key, value in loaded.items():
-            if key in case_names() or key in names:
-                if key not in names:
-                    continue  # a section for a case not selected this time
-                if not isinstance(value, dict):
-                    raise ValueError(f"parameters file {params_file}: section {key!r} must be a mapping")
-                per_case[key].update(value)
-            else:
-                shared[key] = value
+    selected = [_as_case(item) for item in (list(cases) or case_names())]
+    names = {case.name for case, _ in selected}
+    per_case, shared = _read_params_file(params_file, names) if params_file is not None else ({}, {})
     shared.update(dict(overrides))
     for key in shared:
-        if not any(key in s.parameters or key in IO_PARAMETERS for s in specs):
-            accepted = "; ".join(f"{s.name}: {', '.join(s.parameters.names() + list(IO_PARAMETERS))}"
-                                 for s in specs)
+        if not any(key in case.parameters or key in IO_PARAMETERS for case, _ in selected):
+            accepted = "; ".join(f"{case.name}: {', '.join(case.parameters.names() + list(IO_PARAMETERS))}"
+                                 for case, _ in selected)
             raise ValueError(f"unknown parameter {key!r}: no selected case accepts it ({accepted})")
     planned = []
-    for spec in specs:
-        values = dict(spec.quick) if quick else {}
-        values.update({k: v for k, v in shared.items() if k in spec.parameters or k in IO_PARAMETERS})
-        values.update(per_case[spec.name])
+    for case, named in selected:
+        values = dict(case.quick) if quick else {}
+        values.update({k: v for k, v in shared.items() if k in case.parameters or k in IO_PARAMETERS})
+        values.update(per_case.get(case.name, {}))
         io = {k: values.pop(k) for k in list(values) if k in IO_PARAMETERS}
         if "results_dir" in io:
             raise ValueError("parameter 'results_dir' is set by ddplab report (reports/<case>/results)")
+        given = ", ".join(f"{k}={v!r}" for k, v in values.items())
         try:
-            params = spec.validate(values)
+            params, steps = call_bounded(_checked, case, values, timeout=timeout,
+                                         what=f"checking its parameters ({given or 'the defaults'})")
         except ValueError as exc:
-            raise ValueError(f"case {spec.name!r}: {exc}") from None
+            raise ValueError(f"case {case.name!r}: {exc}") from None
         if io.get("run_dir") is not None and not pathlib.Path(io["run_dir"]).is_dir():
-            raise ValueError(f"case {spec.name!r}: parameter 'run_dir': {io['run_dir']!r} is not a directory")
+            raise ValueError(f"case {case.name!r}: parameter 'run_dir': {io['run_dir']!r} is not a directory")
         params.update(io)
-        planned.append((spec, params))
+        planned.append(PlannedCase(case, params, named, steps))
     return planned
 
 
@@ -220,12 +229,12 @@ def _progress_printer(name: str, index: int, total: int, echo: Callable[[str], N
     return on_poll
 
 
-def _reproduce_command(spec: CaseSpec, shown_params: dict) -> str:
-    defaults = spec.parameters.defaults()
+def _reproduce_command(planned: PlannedCase, given: dict) -> str:
+    defaults = planned.case.parameters.defaults()
     overrides = " ".join(f"-p {k} {shlex.quote(v if isinstance(v, str) else json.dumps(v))}"
-                         for k, v in shown_params.items()
+                         for k, v in given.items()
                          if (k in IO_PARAMETERS and v is not None) or (k in defaults and v != defaults[k]))
-    return f"ddplab report {spec.path or spec.name} {overrides}".strip()
+    return f"ddplab report {planned.named} {overrides}".strip()
 
 
 #: How a disk refuses a case's files: full, read-only, over quota, too large, not allowed, failing.
@@ -238,56 +247,122 @@ _EXECUTING, _NEW_RESULTS, _PROGRESS, _LOG = (".notebook.executing.ipynb", ".resu
                                               ".progress.jsonl", ".papermill.log")
 
 
-def _run_one(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: float,
-             no_input: bool, index: int, total: int, echo: Callable[[str], None],
-             stop: StopRequest | None = None, interactive: bool = False) -> CaseOutcome:
+@dataclasses.dataclass
+class Batch:
+    """What every case of one batch shares: where reports go, the limits, how progress is told."""
+
+    out_dir: pathlib.Path
+    total: int
+    timeout: float = DEFAULT_TIMEOUT
+    no_input: bool = False
+    echo: Callable[[str], None] = print
+    stop: StopRequest = dataclasses.field(default_factory=StopRequest)
+    #: One updating progress line on a terminal (one case at a time), else a line every 15 s.
+    interactive: bool = False
+
+    def case_dir(self, planned: PlannedCase) -> pathlib.Path:
+        return self.out_dir / planned.name
+
+    def say(self, index: int, text: str) -> None:
+        self.echo(f"[{index}/{self.total}] {text}")
+
+
+def _run_one(batch: Batch, index: int, planned: PlannedCase) -> CaseOutcome:
     """Run one case's notebook and publish it; a disk that refuses its files makes it "failed"."""
     t0 = time.perf_counter()
+    outcome = None
     try:
-        return _execute_and_publish(spec, params, out_dir, timeout=timeout, no_input=no_input,
-                                    index=index, total=total, echo=echo, stop=stop,
-                                    interactive=interactive)
+        outcome = _execute(batch, index, planned)
+        with _PUBLISH_LOCK:
+            return _publish(batch, index, planned, outcome)
     except OSError as exc:
         if exc.errno not in _WRITE_REFUSED:
             raise
         # The disk, not the case: the other cases still run (and may fit).
-        return _unpublished(spec, out_dir, time.perf_counter() - t0, exc, index=index, total=total,
-                            echo=echo)
+        return _unpublished(batch, index, planned, time.perf_counter() - t0, exc, outcome)
 
 
-def _execute_and_publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, *, timeout: float,
-                         no_input: bool, index: int, total: int, echo: Callable[[str], None],
-                         stop: StopRequest | None, interactive: bool) -> CaseOutcome:
-    case_dir = out_dir / spec.name
+def _execute(batch: Batch, index: int, planned: PlannedCase) -> ExecutionOutcome:
+    """Run the case's notebook into its folder's scratch files (papermill, under the timeout)."""
+    case_dir = batch.case_dir(planned)
     case_dir.mkdir(parents=True, exist_ok=True)
-    executing = case_dir / _EXECUTING
-    new_results = case_dir / _NEW_RESULTS
-    progress_file = case_dir / _PROGRESS
+    new_results, progress_file = case_dir / _NEW_RESULTS, case_dir / _PROGRESS
     shutil.rmtree(new_results, ignore_errors=True)
     progress_file.unlink(missing_ok=True)
     # The kernel runs where `ddplab report` runs, so the user's relative paths (run_dir, data_root)
     # mean what they meant, and the results folder is named relative to it: no machine path is
     # written into the published notebook.
-    nb_params = {**params, "results_dir": os.path.relpath(new_results)}
-    echo(f"[{index}/{total}] {spec.name}: started")
+    nb_params = {**planned.params, "results_dir": os.path.relpath(new_results)}
+    batch.say(index, f"{planned.name}: started")
     outcome = execute_notebook(
-        spec.notebook, executing, parameters=nb_params, timeout=timeout,
+        planned.case.notebook_path(), case_dir / _EXECUTING, parameters=nb_params, timeout=batch.timeout,
         cwd=os.getcwd(), log_path=case_dir / _LOG,
         env={"DDPLAB_BATCH": "1", "PYTHONUNBUFFERED": "1",
              PROGRESS_FILE_ENV: str(progress_file.resolve())},
-        on_poll=_progress_printer(spec.name, index, total, echo, progress_file,
-                                  spec.planned_steps(params), interactive=interactive),
-        stop=stop)
-    if interactive:
+        on_poll=_progress_printer(planned.name, index, batch.total, batch.echo, progress_file,
+                                  planned.steps, interactive=batch.interactive),
+        stop=batch.stop)
+    if batch.interactive:
         sys.stdout.write("\n")
     progress_file.unlink(missing_ok=True)
-    with _PUBLISH_LOCK:
-        return _publish(spec, params, out_dir, outcome, no_input=no_input, index=index, total=total,
-                        echo=echo)
+    return outcome
 
 
-def _publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, outcome, *, no_input: bool,
-             index: int, total: int, echo: Callable[[str], None]) -> CaseOutcome:
+@dataclasses.dataclass
+class _Executed:
+    """What a finished execution left, read back: the notebook, the verdict, the parameters as
+    given and as they ran, the environment, and what could not be read (said in the report)."""
+
+    nb: nbformat.NotebookNode
+    verdict: Verdict | None
+    given: dict
+    ran: dict
+    environment: dict
+    problems: list[str]
+
+
+def _read_notebook(planned: PlannedCase, executing: pathlib.Path, problems: list[str]):
+    """The executed notebook; the case's own (unexecuted) one where papermill left none or a
+    file cut short (a full disk, a kill in the middle of a save)."""
+    if executing.exists():
+        try:
+            return nbformat.read(executing, as_version=4)
+        except (OSError, ValueError) as exc:  # nbformat's NotJSONError is a ValueError
+            problems.append(f"papermill's output notebook could not be read ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:120]}), so the report shows the notebook "
+                            "without its outputs")
+    return nbformat.read(planned.case.notebook_path(), as_version=4)
+
+
+def _read_back(planned: PlannedCase, case_dir: pathlib.Path) -> _Executed:
+    """Read what the notebook left in ``case_dir`` (:class:`_Executed`)."""
+    problems: list[str] = []
+    nb = _read_notebook(planned, case_dir / _EXECUTING, problems)
+    given, verdict, environment, records = dict(planned.params), None, None, None
+    try:
+        saved = load_results(case_dir / _NEW_RESULTS)
+        verdict, environment, records = saved.verdict, saved.environment, saved.records
+        # What the notebook used (a run_dir brings its own parameters).
+        given.update({k: v for k, v in saved.params.items() if k in planned.case.parameters})
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:  # a results file cut short
+        problems.append(f"its results could not be read ({type(exc).__name__}: {exc})")
+    if verdict is None:
+        found = verdicts_from_notebook(nb.cells)
+        verdict = found[-1] if found else None
+    if environment is None:
+        environment = {**environment_info(backend=planned.case.parameters.role_value(given, "backend")),
+                       "note": "of the machine that ran the batch; the notebook saved none"}
+    given = {k: v for k, v in given.items() if not (k in IO_PARAMETERS and v is None)}
+    ran = dict(given)
+    if records is not None:
+        case_params = {k: v for k, v in given.items() if k in planned.case.parameters}
+        ran.update(planned.case.params_as_run(case_params, records))
+    return _Executed(nb, verdict, given, ran, environment, problems)
+
+
+def _publish(batch: Batch, index: int, planned: PlannedCase, outcome: ExecutionOutcome) -> CaseOutcome:
     """Write ``out_dir/<case>/`` from a finished execution: results, report, summary, notebook, log.
 
     All of it or none: every file is composed first and written under a
@@ -296,67 +371,62 @@ def _publish(spec: CaseSpec, params: dict, out_dir: pathlib.Path, outcome, *, no
     fails (a full or read-only disk) raises OSError and leaves the previous
     report of the case as it was.
     """
-    case_dir = out_dir / spec.name
-    executing = case_dir / _EXECUTING
-    new_results = case_dir / _NEW_RESULTS
+    case_dir = batch.case_dir(planned)
+    done = _read_back(planned, case_dir)
+    if done.problems:
+        status = NotebookStatus.FAILED if outcome.ok else outcome.status
+        outcome = dataclasses.replace(outcome, status=status,
+                                      error="; ".join(filter(None, [outcome.error, *done.problems])))
+    files, result = _compose(batch, planned, outcome, done)
+    atomic_write_files({path: data.encode("utf-8") if isinstance(data, str) else data
+                        for path, data in files.items()})
+    _replace_dir(case_dir / _NEW_RESULTS, case_dir / "results")
+    if result.key_figure is None:  # never leave an earlier run's figure beside this run's report
+        (case_dir / "key-figure.png").unlink(missing_ok=True)
+    _remove_scratch(case_dir)
+    verdict = done.verdict
+    where = f" (cell {outcome.failing_cell})" if outcome.failing_cell is not None and not outcome.ok else ""
+    batch.say(index, f"{planned.name}: {outcome.status}{where} in {outcome.seconds:.1f} s"
+              + (f" — {verdict.kind}: {verdict.headline_line}" if verdict else "")
+              + (f" — {outcome.error}" if not outcome.ok else ""))
+    return result
 
-    nb = nbformat.read(executing, as_version=4) if executing.exists() else nbformat.read(spec.notebook, as_version=4)
-    verdict: Verdict | None = None
-    environment = None
-    try:
-        saved = load_results(new_results)
-        verdict, environment = saved.verdict, saved.environment
-        # What the notebook used (a run_dir brings its own parameters).
-        params = {**params, **{k: v for k, v in saved.params.items() if k in spec.parameters}}
-    except FileNotFoundError:
-        pass
-    if verdict is None:
-        found = verdicts_from_notebook(nb.cells)
-        verdict = found[-1] if found else None
-    if environment is None:
-        environment = {**environment_info(backend=spec.parameters.role_value(params, "backend")),
-                       "note": "of the machine that ran the batch; the notebook saved none"}
+
+def _compose(batch: Batch, planned: PlannedCase, outcome: ExecutionOutcome,
+             done: _Executed) -> tuple[dict[pathlib.Path, str | bytes], CaseOutcome]:
+    """Every file of the case's report, in memory, and the case's entry in the index."""
+    case, case_dir, nb = planned.case, batch.case_dir(planned), done.nb
     failing_source = None
-    if outcome.failing_cell is not None and outcome.failing_cell < len(nb.cells) and no_input:
+    if outcome.failing_cell is not None and outcome.failing_cell < len(nb.cells) and batch.no_input:
         failing_source = nb.cells[outcome.failing_cell].source
-    shown_params = {k: v for k, v in params.items() if not (k in IO_PARAMETERS and v is None)}
-    header = header_markdown(title=f"{spec.title}", status=outcome.status, seconds=outcome.seconds,
-                             verdict=verdict, params=shown_params, environment=environment,
-                             failing_cell=outcome.failing_cell, error=outcome.error,
-                             failing_source=failing_source)
-    scrub = local_path_scrubber(spec.notebook.parent)
+    header = header_markdown(title=case.title, status=outcome.status, seconds=outcome.seconds,
+                             verdict=done.verdict, params=done.ran, given=done.given,
+                             environment=done.environment, failing_cell=outcome.failing_cell,
+                             error=outcome.error, failing_source=failing_source)
+    scrub = local_path_scrubber(case.notebook_path().parent)
     scrub_notebook(nb, scrub)
-    files = {case_dir / "report.html": notebook_to_html(nb, header=scrub(header), no_input=no_input)}
+    files: dict[pathlib.Path, str | bytes] = {
+        case_dir / "report.html": notebook_to_html(nb, header=scrub(header), no_input=batch.no_input)}
     png = _key_figure(nb)
-    figure_name = "key-figure.png" if png is not None else None
     if png is not None:
-        files[case_dir / figure_name] = png
+        files[case_dir / "key-figure.png"] = png
     result = CaseOutcome(
-        name=spec.name, title=spec.title, reproduces=spec.reproduces, status=outcome.status,
-        seconds=outcome.seconds, verdict=verdict, report=f"{spec.name}/report.html",
-        summary=f"{spec.name}/summary.md", notebook=f"{spec.name}/notebook.ipynb",
-        key_figure=f"{spec.name}/{figure_name}" if figure_name else None, error=outcome.error)
+        name=case.name, title=case.title, reproduces=case.reproduces, status=outcome.status,
+        seconds=outcome.seconds, verdict=done.verdict, report=f"{case.name}/report.html",
+        summary=f"{case.name}/summary.md", notebook=f"{case.name}/notebook.ipynb",
+        key_figure=f"{case.name}/key-figure.png" if png is not None else None, error=outcome.error)
     files[case_dir / "summary.md"] = summary_markdown(
-        result, params=shown_params, environment=environment, figure_name=figure_name,
-        command=_reproduce_command(spec, shown_params))
-    if executing.exists():
+        result, params=done.ran, given=done.given, environment=done.environment,
+        figure_name="key-figure.png" if png is not None else None,
+        command=_reproduce_command(planned, done.given))
+    if (case_dir / _EXECUTING).exists():
         nb.metadata.get("papermill", {}).pop("input_path", None)
         nb.metadata.get("papermill", {}).pop("output_path", None)
         files[case_dir / "notebook.ipynb"] = nbformat.writes(nb)
     log = case_dir / _LOG
     if log.exists():
         files[case_dir / "papermill.log"] = scrub(log.read_text(errors="replace"))
-    atomic_write_files({path: data.encode("utf-8") if isinstance(data, str) else data
-                        for path, data in files.items()})
-    _replace_dir(new_results, case_dir / "results")
-    if png is None:  # never leave an earlier run's figure beside this run's report
-        (case_dir / "key-figure.png").unlink(missing_ok=True)
-    _remove_scratch(case_dir)
-    where = f" (cell {outcome.failing_cell})" if outcome.failing_cell is not None and not outcome.ok else ""
-    echo(f"[{index}/{total}] {spec.name}: {outcome.status}{where} in {outcome.seconds:.1f} s"
-         + (f" — {verdict.kind}: {verdict.headline}" if verdict else "")
-         + (f" — {outcome.error}" if not outcome.ok else ""))
-    return result
+    return files, result
 
 
 def _remove_scratch(case_dir: pathlib.Path) -> None:
@@ -365,20 +435,26 @@ def _remove_scratch(case_dir: pathlib.Path) -> None:
         (case_dir / name).unlink(missing_ok=True)
     (case_dir / _EXECUTING).with_suffix(".params.yaml").unlink(missing_ok=True)
     shutil.rmtree(case_dir / _NEW_RESULTS, ignore_errors=True)
+    for stale in case_dir.glob(".*.tmp"):  # a staged file a killed writer left (artifacts._stage)
+        stale.unlink(missing_ok=True)
 
 
-def _unpublished(spec: CaseSpec, out_dir: pathlib.Path, seconds: float, exc: OSError, *,
-                 index: int, total: int, echo: Callable[[str], None]) -> CaseOutcome:
+def _unpublished(batch: Batch, index: int, planned: PlannedCase, seconds: float, exc: OSError,
+                 outcome: ExecutionOutcome | None) -> CaseOutcome:
     """The outcome of a case whose files could not be written: failed, saying why and where."""
-    _remove_scratch(out_dir / spec.name)
+    case_dir = batch.case_dir(planned)
+    _remove_scratch(case_dir)
     where = f" ({exc.filename})" if exc.filename else ""
-    error = (f"its report could not be written to {out_dir / spec.name}: {exc.strerror or exc}{where} "
+    error = (f"its report could not be written to {case_dir}: {exc.strerror or exc}{where} "
              f"(any earlier report there is unchanged)")
-    echo(f"[{index}/{total}] {spec.name}: failed in {seconds:.1f} s — {error}")
+    if outcome is not None and not outcome.ok:
+        error += f"; the notebook itself ended {outcome.status}: {outcome.error}"
+    batch.say(index, f"{planned.name}: failed in {seconds:.1f} s — {error}")
+    case = planned.case
     return CaseOutcome(
-        name=spec.name, title=spec.title, reproduces=spec.reproduces, status="failed", seconds=seconds,
-        verdict=None, report=f"{spec.name}/report.html", summary=f"{spec.name}/summary.md",
-        notebook=f"{spec.name}/notebook.ipynb", error=error)
+        name=case.name, title=case.title, reproduces=case.reproduces, status=NotebookStatus.FAILED,
+        seconds=seconds, verdict=None, report=f"{case.name}/report.html", summary=f"{case.name}/summary.md",
+        notebook=f"{case.name}/notebook.ipynb", error=error)
 
 
 def _merge_with_previous(out_dir: pathlib.Path, outcomes: list[CaseOutcome]) -> list[CaseOutcome]:
@@ -400,7 +476,7 @@ def _merge_with_previous(out_dir: pathlib.Path, outcomes: list[CaseOutcome]) -> 
     return sorted(merged, key=lambda o: order.get(o.name, len(order)))
 
 
-def _longest_first(planned: list[tuple[CaseSpec, dict]], out_dir: pathlib.Path) -> list[int]:
+def _longest_first(planned: list[PlannedCase], out_dir: pathlib.Path) -> list[int]:
     """Indices of ``planned`` in the order a parallel batch starts them.
 
     Longest first, by the seconds each case took in the last batch written
@@ -413,11 +489,11 @@ def _longest_first(planned: list[tuple[CaseSpec, dict]], out_dir: pathlib.Path) 
             seconds[case["name"]] = float(case["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return sorted(range(len(planned)), key=lambda i: (planned[i][0].name in seconds,
-                                                      -seconds.get(planned[i][0].name, 0.0), i))
+    return sorted(range(len(planned)), key=lambda i: (planned[i].name in seconds,
+                                                      -seconds.get(planned[i].name, 0.0), i))
 
 
-def run_batch(planned: list[tuple[CaseSpec, dict]], out_dir: str | os.PathLike, *,
+def run_batch(planned: list[PlannedCase], out_dir: str | os.PathLike, *,
               timeout: float = DEFAULT_TIMEOUT, no_input: bool = False,
               echo: Callable[[str], None] = print,
               stop: StopRequest | None = None, jobs: int = 1) -> list[CaseOutcome]:
@@ -432,40 +508,35 @@ def run_batch(planned: list[tuple[CaseSpec, dict]], out_dir: str | os.PathLike, 
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stop = stop or StopRequest()
-    # One updating progress line needs the terminal to itself.
-    interactive = jobs == 1 and sys.stdout.isatty()
+    batch = Batch(out_dir=pathlib.Path(out_dir), total=len(planned), timeout=timeout, no_input=no_input,
+                  echo=echo, stop=stop or StopRequest(), interactive=jobs == 1 and sys.stdout.isatty())
+    batch.out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results: dict[int, CaseOutcome] = {}
 
     def run(i: int) -> None:
-        if stop.requested:
-            return
-        spec, params = planned[i]
-        results[i] = _run_one(spec, params, out_dir, timeout=timeout, no_input=no_input, index=i + 1,
-                              total=len(planned), echo=echo, stop=stop, interactive=interactive)
+        if not batch.stop.requested:
+            results[i] = _run_one(batch, i + 1, planned[i])
 
-    with stop.catching():
+    with batch.stop.catching():
         if jobs == 1:
             for i in range(len(planned)):
                 run(i)
         else:
             with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ddplab-report") as pool:
                 # result() re-raises what a case's thread raised; the others finish first.
-                for future in [pool.submit(run, i) for i in _longest_first(planned, out_dir)]:
+                for future in [pool.submit(run, i) for i in _longest_first(planned, batch.out_dir)]:
                     future.result()
         outcomes = [results[i] for i in sorted(results)]
         total = time.perf_counter() - t0
-        write_index(out_dir, _merge_with_previous(out_dir, outcomes), total_seconds=total)
+        write_index(batch.out_dir, _merge_with_previous(batch.out_dir, outcomes), total_seconds=total)
     echo("")
     for o in outcomes:
         echo(f"  {o.name:<24} {o.status:<11} {o.seconds:7.1f} s")
-    if stop.requested:
-        skipped = [spec.name for i, (spec, _) in enumerate(planned) if i not in results]
-        echo(f"  stopped by {stop.signal_name}" + (f"; not run: {', '.join(skipped)}" if skipped else ""))
-    echo(f"  {'total':<24} {'':<11} {total:7.1f} s   -> {out_dir / 'index.html'}")
+    if batch.stop.requested:
+        skipped = [p.name for i, p in enumerate(planned) if i not in results]
+        echo(f"  stopped by {batch.stop.signal_name}" + (f"; not run: {', '.join(skipped)}" if skipped else ""))
+    echo(f"  {'total':<24} {'':<11} {total:7.1f} s   -> {batch.out_dir / 'index.html'}")
     return outcomes
 
 
@@ -486,26 +557,31 @@ def check_output_dir(out_dir: str | os.PathLike) -> None:
         raise ValueError(f"cannot write to the output folder {out_dir}: {exc.strerror or exc}") from None
 
 
-def run_report(opts) -> int:
-    """The ``ddplab report`` command (see :mod:`ddplab.cli` for the options)."""
+
+def run_report(*, cases: Iterable[str] = (), overrides: Iterable[tuple[str, str]] = (),
+               params_file: str | os.PathLike | None = None, quick: bool = False,
+               output: str | os.PathLike = "reports", no_input: bool = False,
+               timeout: float = DEFAULT_TIMEOUT, jobs: int = 1) -> int:
+    """The ``ddplab report`` command; returns its exit status (see :mod:`ddplab.cli` for the options).
+
+    2: refused before anything ran (the reason on stderr); 1: some case did
+    not end ok, or the index could not be written; 128 + N: stopped by signal N.
+    """
     try:
-        specs = case_specs(opts.cases or None)
-        planned = plan_batch(specs, overrides=opts.param or (), params_file=opts.params,
-                             quick=opts.quick)
-        if opts.timeout <= 0:
-            raise ValueError(f"--timeout must be positive, got {opts.timeout}")
-        check_output_dir(opts.output)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"--timeout must be positive, got {timeout}")
+        planned = plan_batch(cases, overrides=overrides, params_file=params_file, quick=quick,
+                             timeout=timeout)
+        check_output_dir(output)
     except ValueError as exc:
         print(f"ddplab report: {exc}", file=sys.stderr)
         return 2
     stop = StopRequest()
     try:
-        outcomes = run_batch(planned, opts.output, timeout=opts.timeout, no_input=opts.no_input,
-                             stop=stop, jobs=opts.jobs)
+        outcomes = run_batch(planned, output, timeout=timeout, no_input=no_input, stop=stop, jobs=jobs)
     except OSError as exc:  # the index could not be written; each case said how it ended
-        print(f"ddplab report: cannot write the index to {opts.output}: {exc.strerror or exc}",
-              file=sys.stderr)
+        print(f"ddplab report: cannot write the index to {output}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     if stop.requested:
         return 128 + stop.signum  # as a shell reports a command ended by that signal
-    return 0 if all(o.status == "ok" for o in outcomes) else 1
+    return 0 if all(o.status == NotebookStatus.OK for o in outcomes) else 1

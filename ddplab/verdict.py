@@ -23,17 +23,24 @@ import dataclasses
 import html
 import json
 import math
+import re
 from typing import Any, Iterable
 
+from ddplab import markup
 from ddplab.formatting import render, render_field
+from ddplab.glossary import VerdictKind
 
 __all__ = ["Finding", "Verdict", "VERDICT_MIME", "KINDS", "verdicts_from_notebook"]
 
 #: The MIME type under which a notebook's verdict cell also stores the verdict as JSON.
 VERDICT_MIME = "application/vnd.ddplab.verdict+json"
 
-#: Verdict kinds: what the measurements establish about the reported behaviour.
-KINDS = ("exact", "rounding", "bug", "by design", "undetermined", "unexplained")
+#: Verdict kinds: what the measurements establish about the reported behaviour
+#: (:class:`ddplab.glossary.VerdictKind`, where each is defined).
+KINDS = tuple(VerdictKind)
+#: How every page introduces a verdict and its scope.
+HEADER_LABEL = "Verdict ({kind}):"
+SCOPE_LABEL = "Scope:"
 
 
 @dataclasses.dataclass
@@ -92,7 +99,7 @@ class Verdict:
     """
 
     case: str
-    kind: str
+    kind: VerdictKind
     summary: str
     findings: list[Finding]
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -100,6 +107,7 @@ class Verdict:
     key_numbers: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        self.kind = VerdictKind.parse(self.kind)
         missing = [k for k in self.key_numbers.values() if k.partition(":")[0] not in self.values]
         if missing:
             raise KeyError(f"verdict of {self.case!r}: key_numbers name values it lacks: {missing}")
@@ -108,6 +116,15 @@ class Verdict:
     @property
     def headline(self) -> str:
         return render(self.summary, self.values)
+
+    @property
+    def headline_line(self) -> str:
+        """The headline's first sentence: what a one-line listing (the index) shows.
+
+        Cut in the template, outside its ``{fields}``, where a sentence ends
+        (``.``, ``!`` or ``?`` before a capital), so a number's decimal point never cuts it.
+        """
+        return render(_first_sentence(self.summary), self.values)
 
     def finding(self, key: str) -> Finding:
         for f in self.findings:
@@ -135,7 +152,7 @@ class Verdict:
     # -- serialization -------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return {"case": self.case, "kind": self.kind, "headline": self.headline,
+        return {"case": self.case, "kind": self.kind.value, "headline": self.headline,
                 "summary": self.summary, "scope": self.scope, "values": _json_safe(self.values),
                 "key_numbers": self.key_numbers,
                 "findings": [f.to_dict() for f in self.findings]}
@@ -159,37 +176,47 @@ class Verdict:
 
     # -- rendering: the one place findings become text -------------------------------------
 
+    def header_markdown(self) -> str:
+        """``**Verdict (kind):** headline`` and the scope line: how every page opens a verdict."""
+        scope = f"*{SCOPE_LABEL}* {markup.text(self.scope)}\n" if self.scope else ""
+        return f"**{HEADER_LABEL.format(kind=self.kind)}** {markup.text(self.headline)}\n\n{scope}"
+
     def findings_markdown(self) -> str:
-        rows = ["| | finding | evidence |", "|---|---|---|"]
-        rows += [f"| {_mark(f.holds)} | {_md(f.claim_text)} | {_md(f.evidence)} |" for f in self.findings]
-        return "\n".join(rows) + "\n"
+        return markup.table(["", "finding", "evidence"],
+                            [[_mark(f.holds), markup.text(f.claim_text), markup.text(f.evidence)]
+                             for f in self.findings])
 
     def key_numbers_markdown(self) -> str:
         if not self.key_numbers:
             return ""
-        rows = ["| key number | value |", "|---|---|"]
-        rows += [f"| {_md(label)} | {_md(value)} |" for label, value in self.key_table()]
-        return "\n".join(rows) + "\n"
+        return markup.table(["key number", "value"],
+                            [[markup.text(label), markup.text(value)] for label, value in self.key_table()])
 
     def to_markdown(self) -> str:
-        scope = f"*Scope:* {_md(self.scope)}\n\n" if self.scope else ""
-        return (f"**Verdict ({self.kind}):** {self.headline}\n\n{scope}"
-                + self.findings_markdown())
+        return self.header_markdown() + "\n" + self.findings_markdown()
+
+    def to_text(self) -> str:
+        """The verdict as plain text (a terminal, a log): header, scope, one line per finding."""
+        lines = [f"{HEADER_LABEL.format(kind=self.kind)} {self.headline}"]
+        if self.scope:
+            lines.append(f"{SCOPE_LABEL} {self.scope}")
+        lines += [f"  {_mark(f.holds)}: {f.claim_text} -- {f.evidence}" for f in self.findings]
+        return "\n".join(lines)
 
     def to_html(self) -> str:
         rows = "".join(
             f"<tr><td>{_mark(f.holds)}</td><td>{html.escape(f.claim_text)}</td>"
             f"<td>{html.escape(f.evidence)}</td></tr>" for f in self.findings)
-        scope = (f"<p class='ddplab-scope'><i>Scope:</i> {html.escape(self.scope)}</p>"
+        scope = (f"<p class='ddplab-scope'><i>{SCOPE_LABEL}</i> {html.escape(self.scope)}</p>"
                  if self.scope else "")
-        return (f"<div class='ddplab-verdict'><p><b>Verdict ({html.escape(self.kind)}):</b> "
+        return (f"<div class='ddplab-verdict'><p><b>{html.escape(HEADER_LABEL.format(kind=self.kind))}</b> "
                 f"{html.escape(self.headline)}</p>{scope}<table><thead><tr><th></th><th>finding</th>"
                 f"<th>evidence</th></tr></thead><tbody>{rows}</tbody></table></div>")
 
     def _repr_mimebundle_(self, include=None, exclude=None):
         # The JSON copy lets batch tools read the verdict without parsing HTML.
         return {"text/markdown": self.to_markdown(), "text/html": self.to_html(),
-                "text/plain": self.to_markdown(), VERDICT_MIME: self.to_dict()}
+                "text/plain": self.to_text(), VERDICT_MIME: self.to_dict()}
 
 
 def _json_safe(value):
@@ -217,15 +244,23 @@ def _from_json_safe(value):
     return value
 
 
+_SENTENCE_END = re.compile(r"[.!?](?=\s+[A-Z])")
+
+
+def _first_sentence(template: str) -> str:
+    depth = 0
+    for i, ch in enumerate(template):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth == 0 and _SENTENCE_END.match(template, i):
+            return template[:i + 1]
+    return template
+
+
 def _mark(holds: bool | None) -> str:
     # Plain dingbats with a word: emoji fonts are missing on many machines (and headless browsers).
     if holds is None:
         return "– not measured"
     return "✔ holds" if holds else "✘ does not hold"
-
-
-def _md(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def verdicts_from_notebook(cells: Iterable[dict]) -> list[Verdict]:

@@ -52,3 +52,38 @@ def check_pages_offline(pages: dict, shots: pathlib.Path, *, successful: tuple =
             assert (shots / f"{name}.png").stat().st_size > 10_000
         browser.close()
     assert remote == []  # nothing fetched from the network
+
+
+#: What the injection payloads set when they run.
+INJECTED = "__ddplab_injected"
+
+
+def inert_page_facts(path: pathlib.Path) -> dict:
+    """Open ``path`` offline in headless Chromium and report what script could do there:
+    ``ran`` (the payloads' :data:`INJECTED` flag), ``dialogs`` (alert/confirm/prompt),
+    ``handlers`` (elements with an ``on...`` attribute), ``scripts`` (script elements that
+    mention the flag) and ``text`` (the visible text)."""
+    if _chromium() is None:
+        pytest.skip("Debian's chromium is not installed (make test installs it as root)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox", "--disable-gpu"])
+        context = browser.new_context(offline=True)
+        context.route(re.compile(r"^(?!file:|data:).*"), lambda route: route.abort())
+        page = context.new_page()
+        dialogs = []
+        page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+        page.goto(path.resolve().as_uri())
+        page.wait_for_load_state("load")
+        page.wait_for_timeout(300)  # an image's onerror fires after load
+        facts = {
+            "ran": page.evaluate(f"typeof window.{INJECTED} !== 'undefined'"),
+            "dialogs": dialogs,
+            "handlers": page.evaluate("[...document.querySelectorAll('*')].filter(e => [...e.attributes]"
+                                      ".some(a => a.name.startsWith('on'))).map(e => e.outerHTML.slice(0, 120))"),
+            "scripts": page.evaluate(f"[...document.scripts].map(s => s.text).filter(t => t.includes('{INJECTED}'))"),
+            "text": page.inner_text("body"),
+        }
+        browser.close()
+    return facts

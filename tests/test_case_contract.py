@@ -29,7 +29,7 @@ import pytest
 from ddplab.artifacts import load_results
 from ddplab.cases import Case, case_names, get_case
 from ddplab.notebook import IO_PARAMETERS
-from ddplab.report import case_specs, plan_batch, run_batch
+from ddplab.report import plan_batch, run_batch
 from ddplab.verdict import KINDS, Verdict
 
 from readme import python_block, readme_section
@@ -270,7 +270,7 @@ def quick_reports(tmp_path_factory):
     """
     out = tmp_path_factory.mktemp("quick-reports")
     lines: list[str] = []
-    outcomes = run_batch(plan_batch(case_specs(), quick=True), out, timeout=400, echo=lines.append,
+    outcomes = run_batch(plan_batch(quick=True), out, timeout=400, echo=lines.append,
                          jobs=2)
     return out, {o.name: o for o in outcomes}, "\n".join(lines)
 

@@ -25,10 +25,10 @@ def test_refuses_to_run_under_torchrun():
 
 @pytest.mark.slow  # test_case_contract's quick batch runs this case's report in the default suite
 def test_quick_report_meets_the_case_contract(tmp_path, warm_launcher):
-    from ddplab.report import case_specs, plan_batch, run_batch
+    from ddplab.report import plan_batch, run_batch
 
     lines: list[str] = []
-    outcome, = run_batch(plan_batch(case_specs(["your_training"]), quick=True), tmp_path, timeout=400,
+    outcome, = run_batch(plan_batch(["your_training"], quick=True), tmp_path, timeout=400,
                          echo=lines.append)
     assert outcome.status == "ok", "\n".join(lines)
     verdict = _check_results(CASE, tmp_path / "your_training")

@@ -81,7 +81,12 @@ def test_jsonl_survives_a_truncated_last_line(tmp_path):
 def test_verdict_rendering_and_notebook_extraction():
     v = Verdict("c", "bug", "a | b", [Finding("k", "claim | x", False, "ratio {r}", {"r": 1e6})])
     bundle = v._repr_mimebundle_()
-    assert "✘ does not hold" in bundle["text/markdown"] and "\\|" in bundle["text/markdown"]
+    markdown = bundle["text/markdown"]
+    assert "✘ does not hold" in markdown
+    # A "|" in the text cannot split a table cell: every row keeps its 3 cells.
+    rows = [line for line in markdown.splitlines() if line.startswith("|")]
+    assert len(rows) == 3 and all(row.count("|") == 4 for row in rows)
+    assert bundle["text/plain"].splitlines()[0] == "Verdict (bug): a | b"
     cells = [{"outputs": [{"data": {VERDICT_MIME: bundle[VERDICT_MIME]}}]}]
     assert verdicts_from_notebook(cells)[0].finding("k").evidence == "ratio 1e6"
     assert verdicts_from_notebook(cells)[0].finding("k").values == {"r": 1e6}

@@ -15,9 +15,10 @@ import pytest
 from ddplab.artifacts import atomic_write_text
 from ddplab.notebook_run import _PAPERMILL_MAIN
 from ddplab.parameters import Parameter, ParameterSet
-from ddplab.report import CaseSpec, _longest_first, case_specs, plan_batch, run_batch
+from ddplab.report import _longest_first, plan_batch, run_batch
 
 from browser import check_pages_offline
+from notebook_cases import notebook_case
 
 PS = ParameterSet([
     Parameter("n", 3, "how many points", kind="int", minimum=1),
@@ -67,23 +68,22 @@ def _notebook(path: pathlib.Path, cells: list[str], key_figure: int | None = Non
     return path
 
 
-def _spec(tmp_path, name, cells, **kw):
+def _case(tmp_path, name, cells, **kw):
     nb = _notebook(tmp_path / f"{name}.ipynb", cells, **kw)
-    return CaseSpec(name=name, title=f"Fixture {name}", notebook=nb,
-                    parameters=PS, quick={"n": 2})
+    return notebook_case(name, nb, PS, title=f"Fixture {name}", quick={"n": 2})
 
 
 # ---------------------------------------------------------------- planning (no notebook runs)
 
 
 def test_plan_merges_defaults_quick_file_and_overrides(tmp_path):
-    spec = _spec(tmp_path, "a", OK_CELLS)
+    case = _case(tmp_path, "a", OK_CELLS)
     pfile = tmp_path / "p.yaml"
     pfile.write_text("a:\n  sizes: [3]\n")
-    [(_, params)] = plan_batch([spec], quick=True, params_file=pfile, overrides=[("n", "7")])
-    assert params == {"n": 7, "sizes": [3]}
-    [(_, params)] = plan_batch([spec], overrides=[("sizes", "[2, 5]")])
-    assert params["sizes"] == [2, 5]  # a list given with -p arrives as a string and is parsed
+    [planned] = plan_batch([case], quick=True, params_file=pfile, overrides=[("n", "7")])
+    assert planned.params == {"n": 7, "sizes": [3]}
+    [planned] = plan_batch([case], overrides=[("sizes", "[2, 5]")])
+    assert planned.params["sizes"] == [2, 5]  # a list given with -p arrives as a string and is parsed
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -95,12 +95,12 @@ def test_plan_merges_defaults_quick_file_and_overrides(tmp_path):
 ])
 def test_bad_parameters_are_rejected_before_running(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        plan_batch([_spec(tmp_path, "a", OK_CELLS)], **kwargs)
+        plan_batch([_case(tmp_path, "a", OK_CELLS)], **kwargs)
 
 
 def test_unknown_case_is_rejected():
     with pytest.raises(ValueError, match="unknown case 'nope'; built-in cases"):
-        case_specs(["nope"])
+        plan_batch(["nope"])
 
 
 def test_cli_rejects_bad_input_without_running(tmp_path):
@@ -140,8 +140,7 @@ def test_run_batch_rejects_bad_jobs(tmp_path):
 
 
 def test_parallel_batch_starts_the_longest_cases_first(tmp_path):
-    specs = [_spec(tmp_path, name, OK_CELLS) for name in ("a", "b", "c", "d")]
-    planned = plan_batch(specs)
+    planned = plan_batch([_case(tmp_path, name, OK_CELLS) for name in ("a", "b", "c", "d")])
     # No earlier batch here: planned order.
     assert _longest_first(planned, tmp_path) == [0, 1, 2, 3]
     (tmp_path / "index.json").write_text(json.dumps({"cases": [
@@ -165,10 +164,10 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("batch")
-    specs = [_spec(tmp_path, "good", OK_CELLS, key_figure=1),
-             _spec(tmp_path, "broken", FAIL_CELLS),
-             _spec(tmp_path, "sleepy", SLEEP_CELLS)]
-    planned = plan_batch(specs, overrides=[("sizes", "[2, 4]")])
+    cases = [_case(tmp_path, "good", OK_CELLS, key_figure=1),
+             _case(tmp_path, "broken", FAIL_CELLS),
+             _case(tmp_path, "sleepy", SLEEP_CELLS)]
+    planned = plan_batch(cases, overrides=[("sizes", "[2, 4]")])
     out = tmp_path / "reports"
     lines = []
     # The first batch: "sleepy" gets a generous timeout per notebook, it still times out.
@@ -225,9 +224,9 @@ def test_index_and_summary(batch):
     assert "timed out" in html and "good/report.html" in html
     summary = (out / "good" / "summary.md").read_text()
     # Short first: verdict, scope, key numbers, figure, command; the findings folded below.
-    assert summary.index("**Verdict: rounding.**") < summary.index("*Scope:* the fixture") \
+    assert summary.index("**Verdict (rounding):**") < summary.index("*Scope:* the fixture") \
         < summary.index("| records | 6 |") < summary.index("![key figure]") \
-        < summary.index("Reproduce: `ddplab report good") < summary.index("<details>")
+        < summary.index("Reproduce: `ddplab report ") < summary.index("<details>")
     assert "| ✔ holds | every loss is finite |" in summary.split("<details>", 1)[1]
     assert "![key figure](key-figure.png)" in summary
     assert (out / "good" / "key-figure.png").read_bytes().startswith(b"\x89PNG")
@@ -237,7 +236,7 @@ def test_index_and_summary(batch):
 @pytest.mark.slow
 def test_rerun_replaces_reports_whole(batch):
     out, _, _, planned = batch
-    good = [(s, p) for s, p in planned if s.name == "good"]
+    good = [p for p in planned if p.name == "good"]
     before = (out / "good" / "report.html").stat().st_mtime_ns
     run_batch(good, out, timeout=60, echo=lambda _: None)
     assert (out / "good" / "report.html").stat().st_mtime_ns > before
@@ -267,11 +266,11 @@ TIMED_CELL = ("import pathlib, time\n"
 def test_parallel_batch_runs_notebooks_side_by_side(tmp_path):
     stamps = tmp_path / "stamps"
     stamps.mkdir()
-    specs = [_spec(tmp_path, name, [TIMED_CELL.format(folder=str(stamps), name=name)] + cells)
+    cases = [_case(tmp_path, name, [TIMED_CELL.format(folder=str(stamps), name=name)] + cells)
              for name, cells in (("good", OK_CELLS), ("broken", FAIL_CELLS))]
     out = tmp_path / "reports"
     lines = []
-    outcomes = run_batch(plan_batch(specs), out, timeout=120, echo=lines.append, jobs=2)
+    outcomes = run_batch(plan_batch(cases), out, timeout=120, echo=lines.append, jobs=2)
     # Planned order and each case's own status, whatever order they finished in.
     assert [(o.name, o.status) for o in outcomes] == [("good", "ok"), ("broken", "failed")]
     assert "planted notebook failure" in outcomes[1].error
@@ -290,7 +289,7 @@ def test_parallel_batch_runs_notebooks_side_by_side(tmp_path):
 def test_rules_across_parameters_are_checked_before_running():
     # Each value is valid alone; together they are not (live NCCL needs backend nccl).
     with pytest.raises(ValueError, match="case 'backend_divergence'.*nccl"):
-        plan_batch(case_specs(["backend_divergence"]), overrides=[("orders", "[gloo, nccl_live_ring]")])
+        plan_batch(["backend_divergence"], overrides=[("orders", "[gloo, nccl_live_ring]")])
 
 
 def test_published_files_are_shareable_and_name_no_local_path(tmp_path, monkeypatch):
@@ -302,15 +301,15 @@ def test_published_files_are_shareable_and_name_no_local_path(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     old = os.umask(0o022)
     try:
-        [(spec, params)] = plan_batch([_spec(tmp_path, "good", OK_CELLS, key_figure=1)])
-        run_batch([(spec, params)], "reports", timeout=120, echo=lambda _: None)
+        [planned] = plan_batch([_case(tmp_path, "good", OK_CELLS, key_figure=1)])
+        run_batch([planned], "reports", timeout=120, echo=lambda _: None)
         files = [p for p in (tmp_path / "reports").rglob("*") if p.is_file()]
         assert {f.name for f in files} >= {"report.html", "summary.md", "index.html", "index.json",
                                          "verdict.json", "records.jsonl", "key-figure.png"}
         for f in files:
             assert f.stat().st_mode & 0o777 == 0o644, (f, oct(f.stat().st_mode))
             text = f.read_text(errors="replace")
-            scrubbed = local_path_scrubber(spec.notebook.parent)(text)
+            scrubbed = local_path_scrubber(planned.case.notebook_path().parent)(text)
             for path in {str(tmp_path), os.getcwd(), sys.prefix, os.path.expanduser("~")}:
                 if f.suffix == ".png":
                     continue
@@ -318,8 +317,8 @@ def test_published_files_are_shareable_and_name_no_local_path(tmp_path, monkeypa
             if f.suffix != ".png":
                 assert text == scrubbed, f
         # The same case failing on a re-run: its old key figure must not stay beside the new report.
-        broken = dataclasses.replace(spec, notebook=_notebook(tmp_path / "b.ipynb", FAIL_CELLS))
-        run_batch([(broken, params)], "reports", timeout=120, echo=lambda _: None)
+        broken = notebook_case("good", _notebook(tmp_path / "b.ipynb", FAIL_CELLS), PS)
+        run_batch([dataclasses.replace(planned, case=broken)], "reports", timeout=120, echo=lambda _: None)
         assert not (tmp_path / "reports" / "good" / "key-figure.png").exists()
         assert "key-figure" not in (tmp_path / "reports" / "good" / "summary.md").read_text()
     finally:

@@ -14,12 +14,15 @@ import nbformat
 import pytest
 
 from ddplab.cases import get_case
-from ddplab.parameters import ParameterSet
-from ddplab.report import CaseSpec, plan_batch, run_batch
+from ddplab.report import plan_batch, run_batch
+
+from notebook_cases import notebook_case
 
 PY = sys.executable
 REPO = pathlib.Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+# The tests folder too: the drivers below build their cases with tests/notebook_cases.py.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                                    os.environ.get("PYTHONPATH", "")])}
 
 
 def _notebook(path: pathlib.Path, *cells: str) -> pathlib.Path:
@@ -32,9 +35,8 @@ def _notebook(path: pathlib.Path, *cells: str) -> pathlib.Path:
     return path
 
 
-def _spec(folder: pathlib.Path, name: str, *cells: str) -> CaseSpec:
-    return CaseSpec(name=name, title=name, notebook=_notebook(folder / f"{name}.ipynb", *cells),
-                    parameters=ParameterSet([]))
+def _case(folder: pathlib.Path, name: str, *cells: str):
+    return notebook_case(name, _notebook(folder / f"{name}.ipynb", *cells))
 
 
 def _report(*args, cwd, env=ENV, timeout=120):
@@ -63,12 +65,8 @@ def test_a_params_file_with_python_tags_is_refused(tmp_path, line):
     params = tmp_path / "evil.yaml"
     params.write_text(line.format(marker=marker) + "\n")
     with pytest.raises(ValueError, match="YAML tag that is not plain data.*python/"):
-        plan_batch([get_case_spec("half_precision")], params_file=params)
+        plan_batch(["half_precision"], params_file=params)
     assert not marker.exists()  # safe loading: the tag built nothing, ran nothing
-
-
-def get_case_spec(name: str) -> CaseSpec:
-    return CaseSpec.of(get_case(name))
 
 
 def test_the_command_refuses_python_tags_before_running(tmp_path):
@@ -124,12 +122,12 @@ def test_a_read_only_output_is_refused_before_any_notebook_runs(tmp_path):
 #: and cannot publish; prints what it saw as JSON.
 FULL_DISK_DRIVER = """
 import errno, hashlib, json, os, pathlib, sys
-from ddplab.parameters import ParameterSet
-from ddplab.report import CaseSpec, plan_batch, run_batch
+from ddplab.report import plan_batch, run_batch
+from notebook_cases import notebook_case
 
 notebook, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-spec = CaseSpec(name="tiny", title="tiny", notebook=notebook, parameters=ParameterSet([]))
-first = run_batch(plan_batch([spec]), out, timeout=120, echo=lambda _: None)
+case = notebook_case("tiny", notebook)
+first = run_batch(plan_batch([case]), out, timeout=120, echo=lambda _: None)
 before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "tiny").iterdir() if p.is_file()}
 with open(out.parent / "filler", "wb") as fh:  # fill the disk, then leave a little room
     try:
@@ -141,7 +139,7 @@ with open(out.parent / "filler", "wb") as fh:  # fill the disk, then leave a lit
     fh.truncate(max(0, fh.tell() - 96 * 1024))
 lines = []
 try:
-    second = run_batch(plan_batch([spec]), out, timeout=120, echo=lines.append)
+    second = run_batch(plan_batch([case]), out, timeout=120, echo=lines.append)
     status, error = second[0].status, second[0].error
 except OSError as exc:
     status, error = "raised", str(exc)
@@ -172,16 +170,60 @@ def test_a_full_disk_fails_the_case_and_keeps_the_previous_report_whole(tmp_path
     assert seen["index"]["status"] == "failed" and "No space left" in seen["index"]["error"]
 
 
+#: Runs in the mount namespace: a case publishes, then runs again with a notebook whose output
+#: fills the disk while it runs; prints what it saw as JSON.
+FILLS_WHILE_RUNNING_DRIVER = """
+import hashlib, json, pathlib, sys
+from ddplab.report import plan_batch, run_batch
+from notebook_cases import notebook_case
+
+small, big, out = map(pathlib.Path, sys.argv[1:4])
+first = run_batch(plan_batch([notebook_case("tiny", small)]), out, timeout=120, echo=lambda _: None)
+files = lambda: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (out / "tiny").iterdir()}
+before = files()
+lines = []
+second = run_batch(plan_batch([notebook_case("tiny", big)]), out, timeout=120, echo=lines.append)
+print(json.dumps({"first": first[0].status, "status": second[0].status, "error": second[0].error,
+                  "before": before, "after": files(), "lines": lines,
+                  "hidden": [str(p) for p in out.rglob(".*")],
+                  "index": json.loads((out / "index.json").read_text())["cases"][0]}))
+"""
+
+
+@needs_mount
+def test_a_disk_that_fills_while_the_notebook_runs_fails_the_case_and_keeps_the_report(tmp_path):
+    """Issue 33 item 6: papermill's output notebook is cut short by ENOSPC while the notebook runs."""
+    disk = tmp_path / "disk"
+    driver = tmp_path / "driver.py"
+    driver.write_text(FILLS_WHILE_RUNNING_DRIVER)
+    small = _notebook(tmp_path / "small.ipynb", "print('a small notebook')")
+    # 4 MB of output on a 2 MB disk: papermill's saves of the notebook and its log hit ENOSPC.
+    big = _notebook(tmp_path / "big.ipynb", "for i in range(1000):\n    print('x' * 4000)",
+                    "print('never reached')")
+    proc = _on_tmpfs(disk, "size=2m", [PY, str(driver), str(small), str(big), str(disk / "reports")],
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["first"] == "ok" and "report.html" in seen["before"]
+    assert seen["status"] == "failed", seen
+    assert "No space left on device" in seen["error"] and "unchanged" in seen["error"], seen["error"]
+    assert len(seen["error"]) < 3000  # the reason, not the notebook's output
+    assert any("tiny: failed" in line and "No space left" in line for line in seen["lines"])
+    assert seen["after"] == seen["before"]  # the earlier report, every file, as it was
+    assert seen["hidden"] == []  # no scratch: the cut-short notebook, the log, the results
+    assert seen["index"]["status"] == "failed" and "No space left" in seen["index"]["error"]
+
+
 # ---------------------------------------------------------------- a kernel killed mid-batch
 
 
 def test_a_killed_kernel_fails_its_case_and_the_others_publish(tmp_path):
-    specs = [_spec(tmp_path, "killed", "print('before the kill', flush=True)",
+    cases = [_case(tmp_path, "killed", "print('before the kill', flush=True)",
                    "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "print('never')"),
-             _spec(tmp_path, "fine", "print('fine')")]
+             _case(tmp_path, "fine", "print('fine')")]
     out = tmp_path / "reports"
     lines = []
-    outcomes = {o.name: o for o in run_batch(plan_batch(specs), out, timeout=120, echo=lines.append)}
+    outcomes = {o.name: o for o in run_batch(plan_batch(cases), out, timeout=120, echo=lines.append)}
     killed, fine = outcomes["killed"], outcomes["fine"]
     # Not ok, with the reason (papermill 2.7 reports it as the kernel dying).
     assert killed.status in ("kernel died", "failed"), killed
@@ -199,9 +241,9 @@ def test_a_killed_kernel_fails_its_case_and_the_others_publish(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["../outside", "..", "/etc/passwd", "a/../../b", ".hidden"])
-def test_a_case_spec_whose_name_leaves_the_output_folder_is_refused(tmp_path, name):
+def test_a_case_whose_name_leaves_the_output_folder_is_refused(tmp_path, name):
     with pytest.raises(ValueError, match="cannot name a report folder"):
-        CaseSpec(name=name, title="x", notebook=tmp_path / "x.ipynb", parameters=ParameterSet([]))
+        plan_batch([notebook_case(name, _notebook(tmp_path / "x.ipynb"))])
 
 
 def test_a_case_module_whose_name_leaves_the_output_folder_is_refused(tmp_path, monkeypatch):
@@ -246,4 +288,4 @@ def test_parameters_cannot_redirect_where_reports_are_written(tmp_path, kwargs, 
         params_file = tmp_path / "params.yaml"
         params_file.write_text(json.dumps(kwargs.pop("file")))  # JSON is YAML
     with pytest.raises(ValueError, match=match):
-        plan_batch([get_case_spec("half_precision")], params_file=params_file, **kwargs)
+        plan_batch(["half_precision"], params_file=params_file, **kwargs)

@@ -76,12 +76,11 @@ launch(stuck, world_size=2, args=({folder!r},), timeout=600)
 
 DRIVER = """
 import pathlib, sys
-from ddplab.parameters import ParameterSet
-from ddplab.report import CaseSpec, plan_batch, run_batch
+from ddplab.report import plan_batch, run_batch
+from notebook_cases import notebook_case
 
-spec = CaseSpec(name="stuck", title="Stuck ranks", notebook=pathlib.Path(sys.argv[1]),
-                parameters=ParameterSet([]))
-outcomes = run_batch(plan_batch([spec]), sys.argv[2], timeout=600)
+case = notebook_case("stuck", pathlib.Path(sys.argv[1]), title="Stuck ranks")
+outcomes = run_batch(plan_batch([case]), sys.argv[2], timeout=600)
 print("STATUS", outcomes[0].status, "|", outcomes[0].error, flush=True)
 """
 
@@ -95,7 +94,7 @@ def test_sigterm_stops_the_whole_tree_and_the_index_says_interrupted(tmp_path, s
     driver.write_text(DRIVER)
     out = tmp_path / "reports"
     env = {**os.environ, "TMPDIR": str(scratch),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([PY, str(driver), str(nb), str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     tree: set[int] = set()
@@ -132,12 +131,11 @@ time.sleep(600)
 
 PARALLEL_DRIVER = """
 import pathlib, sys
-from ddplab.parameters import ParameterSet
-from ddplab.report import CaseSpec, plan_batch, run_batch
+from ddplab.report import plan_batch, run_batch
+from notebook_cases import notebook_case
 
-specs = [CaseSpec(name=n, title=n, notebook=pathlib.Path(p), parameters=ParameterSet([]))
-         for n, p in zip(("first", "second", "third"), sys.argv[1:4])]
-outcomes = run_batch(plan_batch(specs), sys.argv[4], timeout=600, jobs=2)
+cases = [notebook_case(n, pathlib.Path(p)) for n, p in zip(("first", "second", "third"), sys.argv[1:4])]
+outcomes = run_batch(plan_batch(cases), sys.argv[4], timeout=600, jobs=2)
 print("STATUS", [(o.name, o.status) for o in outcomes], flush=True)
 """
 
@@ -150,7 +148,7 @@ def test_sigterm_stops_every_running_notebook_of_a_parallel_batch(tmp_path, scra
     driver.write_text(PARALLEL_DRIVER)
     out = tmp_path / "reports"
     env = {**os.environ, "TMPDIR": str(scratch),
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([PY, str(driver), *notebooks, str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     tree: set[int] = set()

@@ -111,12 +111,14 @@ def json_params(path):
 
 @pytest.mark.slow
 def test_a_cluster_run_becomes_the_same_html_report(case01_run, tmp_path):
-    from ddplab.report import case_specs, plan_batch, run_batch
+    from ddplab.report import plan_batch, run_batch
 
-    planned = plan_batch(case_specs(["backend_divergence"]), overrides=[("run_dir", str(case01_run))])
+    planned = plan_batch(["backend_divergence"], overrides=[("run_dir", str(case01_run))])
     [outcome] = run_batch(planned, tmp_path / "reports", timeout=300, echo=lambda _: None)
     assert outcome.status == "ok" and outcome.verdict.kind == "rounding"
     assert outcome.verdict.finding("two_ranks_bitwise").holds is None  # W=2 was not in this run
     assert outcome.verdict.holds("same_order_reproducible")
     summary = (tmp_path / "reports" / "backend_divergence" / "summary.md").read_text()
-    assert "| world_sizes | `[4]` |" in summary  # the run's parameters, not the defaults
+    from ddplab import markup
+    # The run's parameters, not the defaults.
+    assert f"| {markup.text('world_sizes')} | {markup.code([4])} |" in summary

@@ -138,6 +138,12 @@ class Case:
             params[p.name] = value
         return self.check_params(params)
 
+    def params_as_run(self, params: dict, records) -> dict:
+        """``params`` as the run used them: where a value stands for another (a sentinel such as
+        ``steps = 0``, "every batch"), the value it stood for, read from the run's ``records``.
+        Reports show these, and the given value beside a changed one."""
+        return dict(params)
+
     # -- running ---------------------------------------------------------------------
 
     def launches(self, params: dict) -> list[LaunchPlan]:

@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 import torch
 
+from ddplab.glossary import ReductionLabel
 from ddplab.numerics.contributions import as_contributions
 from ddplab.numerics.fpformat import float_format, parse_dtype, unit_roundoff
 from ddplab.numerics.orders import check_reduction, reduction_pieces
@@ -64,12 +65,13 @@ __all__ = ["ROUNDING", "NOT_ROUNDING", "UNDETERMINED", "OVERFLOW", "LABELS", "PR
            "gamma", "probabilistic_gamma", "abs_sum", "finite_abs_sum", "rounding_bound", "probabilistic_bound",
            "reduction_bounds", "ReductionBounds", "pair_bound", "classify", "Classification"]
 
-ROUNDING = "rounding"
-NOT_ROUNDING = "not rounding"
-UNDETERMINED = "undetermined"
-OVERFLOW = "overflow"
+# The referee's words (:class:`ddplab.glossary.ReductionLabel`, where each is defined).
+ROUNDING = ReductionLabel.ROUNDING
+NOT_ROUNDING = ReductionLabel.NOT_ROUNDING
+UNDETERMINED = ReductionLabel.UNDETERMINED
+OVERFLOW = ReductionLabel.OVERFLOW
 #: Every verdict label, from "explained by rounding" to "range exceeded".
-LABELS = (ROUNDING, NOT_ROUNDING, UNDETERMINED, OVERFLOW)
+LABELS = tuple(ReductionLabel)
 
 #: Probability (under Higham & Mary's model) that a whole result lies within its probabilistic bound.
 PROBABILISTIC_CONFIDENCE = 1 - 1e-6
@@ -311,7 +313,7 @@ def pair_bound(contributions, order_a: str, order_b: str, dtype=None, *, op: str
 class Classification(NamedTuple):
     """``label``: one of :data:`LABELS` (never "overflow" here); ``ratio``: max |error|/bound, NaN if undetermined."""
 
-    label: str
+    label: ReductionLabel
     ratio: float
 
 

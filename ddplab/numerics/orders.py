@@ -69,6 +69,7 @@ from ddplab.numerics._programs import (ADD, Arithmetic, Piece, chain_program, me
                                        run, tree_program)
 from ddplab.numerics.contributions import as_contributions
 from ddplab.numerics.fpformat import float_format, parse_dtype
+from ddplab.numerics.limits import check_additions, check_program_steps
 
 __all__ = [
     "ORDERS",
@@ -341,17 +342,25 @@ def _order_programs(order: str, world_size: int, opts: dict) -> dict:
 
 
 def reduction_pieces(order: str, numel: int, world_size: int, element_size: int, **options) -> list[Piece]:
-    """The :class:`~ddplab.numerics._programs.Piece` list (element range -> program) of an order."""
+    """The :class:`~ddplab.numerics._programs.Piece` list (element range -> program) of an order.
+
+    ValueError before any program is built when the programs would pass
+    :data:`~ddplab.numerics.limits.MAX_PROGRAM_STEPS` (a ring over many ranks).
+    """
     opts = order_options(order, world_size, **options)
+    if order in ("gloo_ring", "nccl_ring"):
+        # A ring has a program per chunk owner: count them before building any.
+        chunks = (gloo_ring_segments(numel, world_size, element_size, opts["max_segment_bytes"])
+                  if order == "gloo_ring" else
+                  nccl_ring_chunks(numel, world_size, opts["channels"], opts["chunk_elements"]))
+        check_program_steps(len({owner for _, _, owner in chunks}), world_size, order)
+    else:
+        check_program_steps(1 if order in ("sequential", "reverse", "pairwise") else 2, world_size, order)
     programs = _order_programs(order, world_size, opts)
     if order in ("sequential", "reverse", "pairwise"):
         pieces = [Piece(0, numel, programs[0])]
-    elif order == "gloo_ring":
-        pieces = [Piece(a, b, programs[owner]) for a, b, owner in
-                  gloo_ring_segments(numel, world_size, element_size, opts["max_segment_bytes"])]
-    elif order == "nccl_ring":
-        pieces = [Piece(a, b, programs[c]) for a, b, c in
-                  nccl_ring_chunks(numel, world_size, opts["channels"], opts["chunk_elements"])]
+    elif order in ("gloo_ring", "nccl_ring"):
+        pieces = [Piece(a, b, programs[owner]) for a, b, owner in chunks]
     else:
         channels = opts["channels"]
         per_channel = _ceil_div(numel, channels)
@@ -456,6 +465,7 @@ def reduce(contributions, order: str = "gloo_ring", *, op: str = "sum", averagin
     c = as_contributions(contributions)
     dtype = parse_dtype(c.dtype)
     opts = order_options(order, c.world_size, **options)
+    check_additions(c.world_size, c.numel, f"reduce in order {order!r}")
     if reduce_dtype is not None and parse_dtype(reduce_dtype) != dtype:
         narrow = parse_dtype(reduce_dtype)
         cast = c.map(lambda t: t.to(narrow), dtype=narrow)

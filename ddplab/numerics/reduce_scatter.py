@@ -55,6 +55,7 @@ from ddplab.numerics._programs import Piece, chain_program, merge_pieces, run
 from ddplab.numerics.contributions import as_contributions
 from ddplab.numerics.exact import exact_mean, exact_parts, exact_sum, round_to_dtype
 from ddplab.numerics.fpformat import parse_dtype
+from ddplab.numerics.limits import check_additions, check_program_steps
 from ddplab.numerics.orders import (_arithmetic, default_averaging, gloo_ring_segments,
                                     order_options, reduction_pieces)
 
@@ -125,6 +126,8 @@ def reduce_scatter_pieces(order: str, numel: int, world_size: int, element_size:
         raise ValueError("the exact order has no summation program")
     n = numel // world_size
     shard_range(numel, world_size, 0)
+    if order == "nccl_ring" or (order == "gloo_ring" and opts["list_input"]):
+        check_program_steps(world_size, world_size, order)  # one program per shard or list entry
     if order == "gloo_ring":
         seg = {} if opts["max_segment_bytes"] is None else {"max_segment_bytes": opts["max_segment_bytes"]}
         if not opts["list_input"]:
@@ -230,6 +233,7 @@ def reduce_scatter(contributions, order: str = "gloo_ring", *, op: str = "sum", 
     if op == "avg" and order != "exact":
         averaging = averaging or default_averaging(order)
     arith = _arithmetic(dtype, order, op, averaging, accumulate, w)
+    check_additions(w, stop - start, f"reduce_scatter in order {order!r}")
     part = c if shard_only else _columns(c, start, stop)
     if order == "exact":
         return _exact(part, op, pre_divide, post_divide, premul, dtype)

@@ -84,6 +84,13 @@ class YourTraining(Case):
         except ValueError as exc:
             raise ValueError(f"parameter 'setup': {exc}") from None
 
+    def params_as_run(self, params: dict, records) -> dict:
+        """``steps = 0`` (every batch of the setup) as the number of steps the run compared."""
+        ran = dict(params)
+        if not params["steps"] and "step" in records.columns and records["step"].notna().any():
+            ran["steps"] = int(records["step"].max()) + 1
+        return ran
+
     def launches(self, params: dict) -> list[LaunchPlan]:
         # What runs (for the environment block): the reference runs in one process, then
         # each configuration on its ranks. run() performs them through ddplab.compare.

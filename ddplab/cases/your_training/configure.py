@@ -44,6 +44,8 @@ def resolve(path: str, what: str):
                 obj = obj()
             except Exception as exc:  # noqa: BLE001 - the user's function, named
                 raise ValueError(f"{what} {path!r} raised {type(exc).__name__}: {exc}") from exc
+            except SystemExit as exc:  # its sys.exit() must not end ddplab (with code 0, silently)
+                raise ValueError(f"{what} {path!r} called sys.exit({exc.code!r})") from None
     return obj
 
 

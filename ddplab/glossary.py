@@ -58,9 +58,9 @@ class VerdictKind(Term):
                       "difference from one process is provably the rounding of the split.")
     ROUNDING = ("rounding", "The differences are what rounding gives: equal to an emulated order, "
                             "within the rigorous bound, or within the tolerance band.")
-    APPROXIMATION = ("approximation", "The differences come from a lossy step the user declared (a "
-                                      "compressed or lower-precision reduction) and stay within what "
-                                      "it allows.")
+    APPROXIMATION = ("approximation", "The differences come from a lossy step the configuration declares "
+                                      "or ddplab recognizes (PowerSGD, a gradient rounded on purpose); its "
+                                      "size is reported, it is never rounding, and no evidence shows a bug.")
     BUG = ("bug", "Rounding cannot explain the differences: the computation is not the one it promises.")
     BY_DESIGN = ("by design", "The behaviour differs from what the report expected, and it is what the "
                               "library documents and intends.")

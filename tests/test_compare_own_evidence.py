@@ -129,3 +129,20 @@ def test_the_readme_verdict_table_is_rendered_from_the_registry():
 
     assert evidence.verdict_table() in readme_section("Your own training: `ddplab.compare`"), \
         "re-render it: python -m ddplab.compare.evidence README.md"
+
+
+def powersgd_state():
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+
+
+def test_torchs_powersgd_is_recognized_as_an_approximation(warm_launcher):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    config = compare.DDP(2, comm_hook=powerSGD_hook.powerSGD_hook, hook_state=powersgd_state)
+    v = compare.run(examples.digits_setup(0, steps=3), config, progress=False).verdict(config)
+    assert (v.kind, v.evidence) == ("approximation", "approximation"), v.headline
+    assert v.values["approximation"].startswith("PowerSGD")
+    assert (v.values["symmetric"], v.values["collectives_exact"]) == ("yes", "yes")
+    assert v.values["approximation_relative"] > 1e-3    # a rank-1 approximation of the gradient

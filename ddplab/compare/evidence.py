@@ -547,7 +547,7 @@ def _clears_approximation(ctx: Context) -> Decision | None:
                   collectives_exact={True: "yes", False: "no", None: "not recorded"}[
                       collectives.holds if collectives else None])
     return Decision("approximation", "approximation", values=values, summary=(
-        "approximation: {approximation}, as declared: {max_deviation} × the reference's own rounding "
+        "approximation: {approximation}: {max_deviation} × the reference's own rounding "
         "distance, {approximation_relative} relative in float64; the ranks computed symmetrically: "
         "{symmetric}; collectives exact: {collectives_exact}"))
 

@@ -18,13 +18,14 @@ from ddplab.compare import evidence as _evidence
 from ddplab.compare import referee as _referee
 from ddplab.compare.evidence import EVIDENCE, Context, decide, label, pieces_text, read_band, rows
 from ddplab.formatting import render
+from ddplab.glossary import RunStatus, VerdictKind
 from ddplab.verdict import Finding, Verdict
 
 __all__ = ["ConfigVerdict", "judge", "comparison_verdict", "configurations_in", "verdicts_markdown", "FAILED_STATUSES", "SCOPE",
            "pieces_text"]
 
 #: Run statuses that mean the configuration did not finish its steps.
-FAILED_STATUSES = ("crashed", "hung", "stopped")
+FAILED_STATUSES = (RunStatus.CRASHED, RunStatus.HUNG, RunStatus.STOPPED)
 #: What a comparison's verdict covers.
 SCOPE = ("covers every compared step of every rank: finite values; the replicas' gradients and parameters "
          "against each other bit for bit; every collective the ranks issued against its emulation, bit for bit, "
@@ -113,14 +114,14 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
                    rank_steps=str(label(srow, "rank_steps", "") or ""),
                    error=label(srow, "error", ""))
     findings: list[Finding] = []
-    if status != "completed":
+    if status != RunStatus.COMPLETED:
         findings.append(Finding(key="completed", claim="The configuration ran every step", holds=False,
                                 template="{status} after {steps_completed} step(s) on every rank, {failed_where}: {error}",
                                 values=failure))
     dev = rows(frame, "deviation", config)
     dev = dev[dev["rank"] == 0] if not dev.empty else dev
     if dev.empty:
-        kind = status if status != "completed" else "undetermined"
+        kind = status if status != RunStatus.COMPLETED else VerdictKind.UNDETERMINED
         summary = {"not run": "not run: the comparison was stopped before it",
                    "unavailable": "not run: {error}"}.get(
             status, "{status} before its first step was captured ({failed_where}): {error}")

@@ -125,6 +125,9 @@ class DDP(Configuration):
     BatchNorm layers (and torch's SyncBatchNorm, which DDP refuses on CPU) to
     :class:`ddplab.sync_batchnorm.SyncBatchNorm` before wrapping, as
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` would on GPUs.
+    ``compile=True`` (or a dict of ``torch.compile`` keyword arguments)
+    compiles the wrapped model: ``torch.compile(DistributedDataParallel(model))``
+    (a model compiled before wrapping comes from ``Setup.model``).
     """
 
     bucket_cap_mb: float | None = None
@@ -132,6 +135,7 @@ class DDP(Configuration):
     hook_state: Callable[[], Any] | None = None
     options: dict = dataclasses.field(default_factory=dict)
     sync_batchnorm: bool = False
+    compile: bool | dict = False
 
     kind = "ddp"
 
@@ -143,7 +147,16 @@ class DDP(Configuration):
             name += f" hook={getattr(self.comm_hook, '__name__', 'hook')}"
         if self.sync_batchnorm:
             name += " sync_batchnorm"
+        if self.compile is not False:
+            name += " compiled"
         return name
+
+    def ddp_kwargs(self) -> dict:
+        """The keyword arguments ``DistributedDataParallel`` is built with (``options``, ``bucket_cap_mb``)."""
+        kwargs = dict(self.options)
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        return kwargs
 
     def approximates(self) -> str | None:
         if self.approximation is not None or self.comm_hook is None:
@@ -174,6 +187,9 @@ class DDP(Configuration):
         if self.hook_state is not None and not callable(self.hook_state):
             raise ValueError("hook_state must be a zero-argument callable returning the hook's state "
                              "(it runs on each rank once the process group exists)")
+        if not isinstance(self.compile, (bool, dict)):
+            raise ValueError(f"compile must be True, False or a dict of torch.compile keyword arguments, "
+                             f"got {self.compile!r}")
         if not isinstance(self.sync_batchnorm, bool):
             raise ValueError(f"sync_batchnorm must be True or False, got {self.sync_batchnorm!r}")
         if not isinstance(self.options, dict):

@@ -48,6 +48,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ddplab.compare import compiled as _compiled
+from ddplab.compare import stand_in as _stand_in
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
 from ddplab.compare.runners import ForwardDigests
 from ddplab.compare.setup import Setup, apply_before_step, cast_batch, forward_loss, named_trainable, split
@@ -187,12 +189,14 @@ class _Emitter:
 
 
 def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: list, cap: dict):
-    """The rank's forward/backward on its micro-batches, from its RNG state; gradients and digests."""
+    """The rank's forward/backward on its micro-batches, from its RNG state; gradients and digests.
+    For a compiled configuration the passes run through the module as the rank compiled it."""
     digests = ForwardDigests(model)
+    ran = _compiled.as_ranks_ran(model, config)
     torch.set_rng_state(cap["rng"])
     k = len(micro)
     for piece in micro:
-        loss = forward_loss(model, setup.loss, piece)
+        loss = forward_loss(ran, setup.loss, piece)
         if k > 1:
             loss = loss / k
         loss.backward()
@@ -352,6 +356,9 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
     initial = {n: p.detach().clone() for n, p in named_trainable(setup.build_model())}
     steps = min(len(r) for r in ranks)
     modules_seen: list[str] = []
+    compiled = _compiled.compiles(setup, config)
+    if compiled:
+        _compiled.fresh_compiler()  # the rank compiled from nothing
     rng = torch.get_rng_state()
     try:
         for step in range(steps):
@@ -363,9 +370,12 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
                 micro = pieces[rank * k:(rank + 1) * k]
                 # DDP broadcasts rank 0's buffers at the start of every forward.
                 source = caps[rank] if isinstance(config, FSDP2) else caps[0]
-                _replay_local(em, setup, config, step, rank, caps[rank], before, source.get("buffers"), micro,
-                              modules_seen)
-                _replay_update(em, setup, config, step, rank, caps[rank], before, optim_before)
+                # The user's code reads the process group as it did on that rank (a loss that divides
+                # by the world size, a ZeroRedundancyOptimizer's partition).
+                with _stand_in.process_group(rank, world):
+                    _replay_local(em, setup, config, step, rank, caps[rank], before, source.get("buffers"),
+                                  micro, modules_seen)
+                    _replay_update(em, setup, config, step, rank, caps[rank], before, optim_before)
             if isinstance(config, FSDP2):
                 continue  # the ranks' audit measured every reduce-scatter bit for bit
             if emulation is None:
@@ -377,7 +387,7 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
                 _replay_reduction(em, config, step, caps, emulation)
     finally:
         torch.set_rng_state(rng)
-    return em.out
+    return _compiled.unverified_local(em.out) if compiled else em.out
 
 
 def first_difference(frame, config: str) -> dict | None:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ddplab import records as _records
+from ddplab.compare.compiled import compile_wrapped, eager, outside_compile, plain_name
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric, StepContext
 from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_batch, forward_loss,
                                   global_batches, model_digest, named_trainable, split)
@@ -138,10 +139,11 @@ class ForwardDigests:
     def __init__(self, module: torch.nn.Module):
         self.calls: list[tuple[str, str]] = []
         self.dtypes: set[str] = set()   # the floating dtypes modules computed in (autocast shows here)
-        self.handles = [m.register_forward_hook(self._hook(name or "(model)"))
+        self.handles = [m.register_forward_hook(self._hook(plain_name(name) or "(model)"))
                         for name, m in module.named_modules()]
 
     def _hook(self, name: str):
+        @outside_compile  # inside a compiled region it does nothing: the user's graph stays whole
         def hook(module, args, output):
             t = output[0] if isinstance(output, (list, tuple)) and output else output
             if isinstance(t, torch.Tensor):
@@ -362,8 +364,9 @@ def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, d
                          "this one, so ranks would start from different models: seed it with a "
                          "constant (torch.manual_seed(0)), not from the process or the clock")
     batches = global_batches(setup, steps)
-    for spec in runs:
-        _train_reference(setup, spec, batches, root)
+    with eager():  # one process's rounding, which compiling would not change in size
+        for spec in runs:
+            _train_reference(setup, spec, batches, root)
 
 
 # --------------------------------------------------------------------------- the configurations
@@ -384,9 +387,7 @@ class _Trainer:
 def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     from torch.nn.parallel import DistributedDataParallel
 
-    kwargs = dict(config.options)
-    if config.bucket_cap_mb is not None:
-        kwargs["bucket_cap_mb"] = config.bucket_cap_mb
+    kwargs = config.ddp_kwargs()
     if config.sync_batchnorm:  # in place: the same parameters, the same names
         from ddplab.sync_batchnorm import convert_sync_batchnorm
         raw = convert_sync_batchnorm(raw)
@@ -401,7 +402,8 @@ def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     buckets = BucketCapture(named_trainable(raw), hook, hook_state)
     model.register_comm_hook(buckets, _capture_hook)
     optimizer = setup.optimizer(model.parameters())
-    return _Trainer(model, optimizer, optimizer, lambda loss: loss.backward(), model.no_sync, buckets)
+    return _Trainer(compile_wrapped(model, config), optimizer, optimizer, lambda loss: loss.backward(),
+                    model.no_sync, buckets)
 
 
 def _fabric(raw: torch.nn.Module, setup: Setup, config: Fabric) -> _Trainer:

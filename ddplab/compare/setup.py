@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ddplab.compare.compiled import plain_name
+
 __all__ = ["Setup", "SetupError", "check_setup", "split", "cast_batch", "model_digest",
            "named_trainable", "global_batches", "apply_before_step", "forward_loss"]
 
@@ -76,13 +78,14 @@ def global_batches(setup: Setup, steps: int | None = None) -> list:
 
 
 def named_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of every parameter that requires a gradient, each once, in module order."""
+    """``(name, parameter)`` of every parameter that requires a gradient, each once, in module order
+    (names without ``torch.compile``'s ``_orig_mod.``)."""
     seen: set[int] = set()
     out = []
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            out.append((name, p))
+            out.append((plain_name(name), p))  # a compiled model names them as the eager one
     return out
 
 
@@ -219,6 +222,16 @@ def _check_batches(setup: Setup, steps: int | None, divisors: dict[str, int]) ->
 
 def check_setup(setup: Setup, *, steps: int | None = None,
                 divisors: dict[str, int] | None = None) -> dict:
+    """Try the whole setup once here; raise :class:`SetupError` naming the first problem
+    (:func:`_check_setup`). It runs eagerly (a compiled model is not compiled here) and, in a
+    process without one, under a one-rank stand-in process group, as the reference runs."""
+    from ddplab.compare import compiled, stand_in
+
+    with compiled.eager(), stand_in.process_group(0, 1):
+        return _check_setup(setup, steps=steps, divisors=divisors)
+
+
+def _check_setup(setup: Setup, *, steps: int | None, divisors: dict[str, int] | None) -> dict:
     """Try the whole setup once here; raise :class:`SetupError` naming the first problem.
 
     Checks: the model builds, reproducibly (two calls give bitwise the same

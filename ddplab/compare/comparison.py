@@ -29,6 +29,7 @@ from ddplab.compare import compiled as _compiled
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
 from ddplab.compare import referee as _referee
+from ddplab.compare import stand_in as _stand_in
 from ddplab.compare import replay as _replay
 from ddplab.compare import twin as _twin
 from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
@@ -273,6 +274,8 @@ def own_evidence(setup: Setup, config: Configuration) -> bool:
         return True
     if config.approximates() is not None or _compiled.compiles(setup, config):
         return True  # a compiled model's local gradient may be left unverified by the replay
+    if _stand_in.reads_process_group(setup, config.world_size):
+        return True  # the float64 promise ran in one process: not what the ranks promise
     return _replay.reduction_emulation(getattr(config, "comm_hook", None)) is None
 
 
@@ -402,7 +405,7 @@ class _Session:
     def analyse(self, index: int, config: Configuration, caps: dict, batches: list) -> list[dict]:
         """Every record of ``config``: the band, the audits, the replay, the promise, the twin, float64."""
         status, error = self.statuses[config.label]
-        records, done, facts = [], 0, {}
+        records, done, facts, reads = [], 0, {}, False
         if status not in ("not run", "unavailable"):
             band = _band_run(config, self.runs, self._precision(index, config))
             recs, ranks = _config_records(self.root, config, f"config{index}", self.steps, caps, band,
@@ -416,7 +419,9 @@ class _Session:
             promise = caps.get(_promise_id(self.runs, config))
             # A model whose modules issue collectives (SyncBatchNorm) promises something else
             # than every rank's share on its own: the float64 promise does not describe it.
-            if promise is not None and _replay.unavailable(self.setup, config) is None:
+            # Nor does it where the loss reads the process group: the promise ran in a one-rank launch.
+            reads = _stand_in.reads_process_group(self.setup, config.world_size)
+            if promise is not None and _replay.unavailable(self.setup, config) is None and not reads:
                 records += _replay.semantic_records(self.setup, config, promise, caps)
             records += _localization.localize(self.setup, config, caps, ranks, recs)
             records += self._own_evidence(index, config, caps)
@@ -424,7 +429,8 @@ class _Session:
                                       no_replay=_replay.unavailable(self.setup, config),
                                       random=self.facts["random"] or None,
                                       compression=_compression(config),
-                                      approximation=config.approximates(), **facts))
+                                      approximation=config.approximates(),
+                                      reads_process_group=reads or None, **facts))
         return records
 
     def _own_evidence(self, index: int, config: Configuration, caps: dict) -> list[dict]:

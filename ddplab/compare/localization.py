@@ -43,6 +43,8 @@ import torch
 
 from ddplab.compare import referee as _referee
 from ddplab.compare.configurations import Configuration
+from ddplab.compare import stand_in
+from ddplab.compare.compiled import eager
 from ddplab.compare.setup import Setup, cast_batch, forward_loss, global_batches, named_trainable, split
 from ddplab.records import record
 
@@ -81,7 +83,8 @@ def piece_gradients(setup: Setup, step: int, pieces: int, params_before: dict | 
     columns = []
     for piece in split(batch, pieces):
         model.zero_grad(set_to_none=True)
-        forward_loss(model, setup.loss, piece).backward()
+        with stand_in.process_group(0, 1), eager():  # one process's pieces, as the reference computes them
+            forward_loss(model, setup.loss, piece).backward()
         columns.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                   for _, p in named]))
     return [n for n, _ in named], torch.stack(columns, dim=1)

@@ -281,6 +281,10 @@ class StepContext:
     ``(inputs..., target)``). ``step``, ``rank``, ``world_size``, ``k`` say where it is.
     Call :meth:`apply_before_step` between the reduction and ``optimizer.step()``
     to run the setup's ``before_step`` (e.g. clipping), as the reference does.
+    ``state`` is a dict that the rank keeps from step to step: the place for an
+    optimizer the step builds itself (``ctx.state.setdefault("opt", ...)``);
+    ddplab observes whichever optimizer steps the model's parameters, though
+    the reference trains with the setup's.
     """
 
     model: torch.nn.Module
@@ -294,6 +298,7 @@ class StepContext:
     world_size: int
     k: int
     before_step: Callable | None = None
+    state: dict = dataclasses.field(default_factory=dict)
 
     def apply_before_step(self) -> None:
         """The setup's ``before_step(model)``, if it has one."""

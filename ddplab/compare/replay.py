@@ -49,6 +49,7 @@ from typing import Callable, Iterator
 import torch
 
 from ddplab.compare import compiled as _compiled
+from ddplab.compare import sharded_optimizers as _sharded
 from ddplab.compare import stand_in as _stand_in
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
 from ddplab.compare.runners import ForwardDigests
@@ -315,18 +316,25 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, before, optim_b
                 if name in cap["grads"]:
                     em.bits(step, rank, "update", "grad", name, cap["grads"][name], p.grad)
         # The optimizer on the rank's own gradient, from the rank's own state -- but with the
-        # hyperparameters the setup gives (load_state_dict would take the rank's own, and a rank
-        # whose learning rate differs would then be replayed with it).
+        # hyperparameters the setup gives one process (load_state_dict would take the rank's own,
+        # and a rank whose learning rate differs would then be replayed with it). It is built as
+        # the rank built it (a sharded one partitions by the stand-in's rank) and loads the rank's
+        # own state (a sharded one: its own shard).
+        with _stand_in.process_group(0, 1):
+            promised = [{k: v for k, v in g.items() if k != "params"}
+                        for g in setup.optimizer(model.parameters()).param_groups]
         optimizer = setup.optimizer(model.parameters())
-        if optim_before is not None:
-            promised = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        if optim_before is not None and not _sharded.restore_state(optimizer, named, optim_before):
             optimizer.load_state_dict(optim_before)
-            for group, hyper in zip(optimizer.param_groups, promised):
-                group.update(hyper)
+        for group, hyper in zip(optimizer.param_groups, promised):
+            group.update(hyper)
         for name, p in named:
             p.grad = cap["grads"][name].clone() if name in cap["grads"] else None
         optimizer.step()
+    mine = _sharded.owned(cap.get("optimizer"))  # a sharded optimizer updates the rank's own shard
     for name, p in named:
+        if mine is not None and name not in mine:
+            continue  # another rank's: checked against its owner's (the broadcast)
         live, replay = cap["params"][name], p.detach()
         if isinstance(config, FSDP2) and live.ndim:
             # Each rank updates only its own shard (dim-0 chunks); the full tensor it captured
@@ -376,6 +384,8 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
                     _replay_local(em, setup, config, step, rank, caps[rank], before, source.get("buffers"),
                                   micro, modules_seen)
                     _replay_update(em, setup, config, step, rank, caps[rank], before, optim_before)
+            _sharded.broadcast_records(lambda s, r, name, live, owner: em.bits(s, r, "update", "param", name,
+                                                                               live, owner), step, caps)
             if isinstance(config, FSDP2):
                 continue  # the ranks' audit measured every reduce-scatter bit for bit
             if emulation is None:

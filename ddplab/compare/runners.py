@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from ddplab import records as _records
 from ddplab.compare.compiled import compile_wrapped, eager, outside_compile, plain_name
+from ddplab.compare import sharded_optimizers
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric, StepContext
 from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_batch, forward_loss,
                                   global_batches, model_digest, named_trainable, split)
@@ -185,7 +186,7 @@ class Capture:
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
                  label: str, rank: int, buckets: BucketCapture | None = None,
-                 module: torch.nn.Module | None = None):
+                 module: torch.nn.Module | None = None, any_optimizer: bool = False):
         self.named = named
         self.optimizer = optimizer
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
@@ -197,9 +198,28 @@ class Capture:
         self.module = module
         self.digests = ForwardDigests(module) if module is not None else None
         self.before: dict = {}
+        self.any_optimizer = any_optimizer
+        self.handles: list = []
+        self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
+        if any_optimizer:  # a Custom step may step an optimizer of its own over the model's parameters
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+            ids = {id(p) for _, p in named}
+
+            def steps_ours(opt) -> bool:
+                return opt is not optimizer and any(id(p) in ids for g in opt.param_groups for p in g["params"])
+
+            self.handles = [
+                register_optimizer_step_pre_hook(lambda opt, a, k: self._before(opt, a, k) if steps_ours(opt) else None),
+                register_optimizer_step_post_hook(lambda opt, a, k: self._after(opt, a, k) if steps_ours(opt) else None)]
+
+    def close(self) -> None:
+        """Remove the hooks that watch every optimizer of the process."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def begin(self) -> None:
         """Note the rank's state before a step: what the replay starts that step from."""
@@ -210,16 +230,27 @@ class Capture:
             self.digests.take()
 
     def _before(self, optimizer, args, kwargs) -> None:
+        if self._stepping is not None:
+            return  # an optimizer stepped inside another's step() (ZeRO's local one): the outer one counts
+        self._stepping = optimizer
         self.calls += 1
         if self.grads is None:  # the first step() of a training step is the one compared
             self.grads = {n: _full(p.grad) for n, p in self.named if p.grad is not None}
 
     def _after(self, optimizer, args, kwargs) -> None:
+        if optimizer is not self._stepping:
+            return
+        self._stepping = None
         self.params = {n: _full(p) for n, p in self.named}
         if self.calls == 1:
-            self.optim = optimizer_state(optimizer)
+            # A sharded optimizer's own shard: its state_dict() would be a collective.
+            self.optim = sharded_optimizers.capture_state(optimizer, self.named) or optimizer_state(optimizer)
 
     def finish(self, step: int, loss: float | None) -> None:
+        if self.calls == 0 and self.any_optimizer:
+            raise RuntimeError(f"{self.label}: no optimizer stepped the model's parameters in step {step}: call "
+                               "ctx.optimizer.step() (the setup's optimizer) or step an optimizer of your own "
+                               "over ctx.model's parameters")
         if self.calls == 0:
             raise RuntimeError(f"{self.label}: optimizer.step() was not called in step {step}")
         grads = self.grads
@@ -534,7 +565,8 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
         optimizer, buckets = trainer.raw_optimizer, trainer.buckets
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
-                      rank=rank, buckets=buckets, module=raw)
+                      rank=rank, buckets=buckets, module=raw, any_optimizer=trainer is None)
+    kept: dict = {}  # a Custom step's own state across its steps (ctx.state)
     for step, batch in enumerate(batches):
         if variant == "twin":
             # The global batch as W copies of rank 0's share: however the step splits it by rank,
@@ -549,9 +581,10 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
             shard = tuple(torch.cat(parts) for parts in zip(*micro))
             ctx = StepContext(model=model, optimizer=optimizer, loss=setup.loss, batch=batch, shard=shard,
                               micro_batches=micro, step=step, rank=rank, world_size=world, k=config.k,
-                              before_step=setup.before_step)
+                              before_step=setup.before_step, state=kept)
             loss = _loss_value(config.train_step(ctx))
         else:
             loss = _builtin_step(trainer, setup, micro)
         capture.finish(step, loss)
+    capture.close()
     return len(batches)

@@ -207,17 +207,26 @@ class Accumulate(DDP):
     (gradients accumulate locally, no communication); the last runs outside
     it, and its backward reduces the accumulated gradient. Every micro-batch
     loss is divided by k, so the accumulated gradient is the mean over the
-    rank's share.
+    rank's share. ``no_sync=False`` leaves ``no_sync()`` out: every
+    micro-batch's backward all-reduces the gradient accumulated so far (more
+    communication, the same mean up to rounding); the replay follows it
+    all-reduce by all-reduce.
     """
 
     k: int = 2
+    no_sync: bool = True
 
     kind = "accumulate"
+
+    def _default_name(self) -> str:
+        return super()._default_name() + ("" if self.no_sync else " sync every micro-batch")
 
     def validate(self) -> None:
         super().validate()
         if self.k < 2:
             raise ValueError(f"Accumulate needs k >= 2 micro-batches, got {self.k} (use DDP for k=1)")
+        if not isinstance(self.no_sync, bool):
+            raise ValueError(f"no_sync must be True or False, got {self.no_sync!r}")
 
 
 @dataclasses.dataclass

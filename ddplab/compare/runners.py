@@ -105,12 +105,14 @@ def _capture_hook(state, bucket):
     local = bucket.buffer().detach().clone()  # before the in-place reduction
     index = bucket.index()
     names = [state.names.get(id(p), "?") for p in bucket.parameters()]
+    # Which reduction of this bucket in the step (accumulation that syncs every micro-batch has k).
+    round_ = sum(b["index"] == index for b in state.buckets)
 
     def keep(fut: torch.futures.Future) -> torch.Tensor:
         value = fut.value()
         result = value[0] if isinstance(value, (list, tuple)) else value
         state.buckets.append(dict(index=index, params=",".join(names), names=names, local=local,
-                                  result=result.detach().clone()))
+                                  result=result.detach().clone(), round=round_))
         return value
 
     if state.hook is None:
@@ -491,13 +493,14 @@ def _custom_model(raw: torch.nn.Module, config: Custom) -> tuple[torch.nn.Module
     return config.wrap(raw), None
 
 
-def _builtin_step(trainer: _Trainer, setup: Setup, micro_batches: list) -> float:
-    """Zero the gradients, k forward/backward passes (all but the last without sync), one step."""
+def _builtin_step(trainer: _Trainer, setup: Setup, micro_batches: list, no_sync: bool = True) -> float:
+    """Zero the gradients, k forward/backward passes (all but the last without sync, unless
+    ``no_sync`` is False: then every one synchronizes), one step."""
     k = len(micro_batches)
     trainer.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for m, micro in enumerate(micro_batches):
-        with (contextlib.nullcontext() if m == k - 1 else trainer.no_sync()):
+        with (contextlib.nullcontext() if m == k - 1 or not no_sync else trainer.no_sync()):
             loss = forward_loss(trainer.model, setup.loss, micro)
             if k > 1:
                 loss = loss / k
@@ -584,7 +587,7 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
                               before_step=setup.before_step, state=kept)
             loss = _loss_value(config.train_step(ctx))
         else:
-            loss = _builtin_step(trainer, setup, micro)
+            loss = _builtin_step(trainer, setup, micro, getattr(config, "no_sync", True))
         capture.finish(step, loss)
     capture.close()
     return len(batches)

@@ -8,8 +8,8 @@ parameters by rank -- must see there what it saw where it ran.
 :func:`process_group` makes torch's default group, for the duration of a block,
 one of ``world_size`` ranks answering ``rank`` (torch's ``fake`` backend: its
 collectives complete without communicating and leave their tensors as they
-are). :func:`reads_process_group` says whether the setup's forward pass and
-loss give other bits under a stand-in of W ranks than under one of one rank:
+are). :func:`reads_process_group` says whether the setup's loss gives other
+bits under a stand-in of W ranks than under one of one rank:
 then the float64 promise, computed in the reference's one-rank launch, is not
 what the ranks promise, and the comparison leaves that question to the float64
 run of the user's own code on W ranks.
@@ -51,6 +51,9 @@ def process_group(rank: int, world_size: int) -> Iterator[bool]:
     if not dist.is_available() or (dist.is_initialized() and not _OPEN):
         yield False
         return
+    if _OPEN and _OPEN[-1] == (rank, world_size):  # the same stand-in: keep it (DDP holds its group)
+        yield True
+        return
     if _OPEN:
         dist.destroy_process_group()
     _init(rank, world_size)
@@ -65,22 +68,22 @@ def process_group(rank: int, world_size: int) -> Iterator[bool]:
 
 
 def reads_process_group(setup, world_size: int) -> bool:
-    """Whether the setup's forward pass and loss on batch 0, at the initial weights, give other bits
-    on some rank of ``world_size`` than in one process (a loss that reads ``dist.get_world_size()``)."""
+    """Whether the setup's loss, on the model's output for batch 0 at the initial weights, gives other
+    bits on some rank of ``world_size`` than in one process (a loss that reads ``dist.get_world_size()``)."""
     from ddplab.compare.compiled import eager
-    from ddplab.compare.setup import forward_loss, global_batches
+    from ddplab.compare.setup import global_batches
 
     batch = global_batches(setup, 1)[0]
-    model = setup.build_model()
     rng = torch.get_rng_state()
-
-    def loss(rank: int, world: int) -> torch.Tensor:
-        torch.set_rng_state(rng)
-        with process_group(rank, world), eager(), torch.no_grad():
-            return forward_loss(model, setup.loss, batch).detach()
-
     try:
-        alone = loss(0, 1)
-        return any(not torch.equal(loss(r, world_size), alone) for r in range(world_size))
+        with process_group(0, 1), eager(), torch.no_grad():
+            out = setup.build_model()(*batch[:-1])
     finally:
         torch.set_rng_state(rng)
+
+    def loss(rank: int, world: int) -> torch.Tensor:
+        with process_group(rank, world), torch.no_grad():
+            return setup.loss(out, batch[-1]).detach()
+
+    alone = loss(0, 1)
+    return any(not torch.equal(loss(r, world_size), alone) for r in range(world_size))

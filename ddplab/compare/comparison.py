@@ -26,6 +26,7 @@ import torch
 from ddplab import launcher as _launcher
 from ddplab import records as _records
 from ddplab.compare import compiled as _compiled
+from ddplab.compare import data as _data
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
 from ddplab.compare import referee as _referee
@@ -414,6 +415,7 @@ class _Session:
             # Every rank's own count: a hang can leave rank 0 steps ahead of the others.
             done = min(len(r) for r in ranks)
             facts["rank_steps"] = ",".join(f"{r}:{len(caps_r)}" for r, caps_r in enumerate(ranks))
+            records += _data.sample_records(self.setup, config, batches)
             records += _reduction_records(config, ranks)
             records += _replay.replay_records(self.setup, config, ranks, batches)
             promise = caps.get(_promise_id(self.runs, config))
@@ -481,6 +483,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     _launcher.check_timeout(timeout)
     facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
     steps = facts["steps"]
+    _data.check_rank_batches(setup, steps, configs)
     runs = reference_runs(configs, promises=not facts["random"])
     batches = global_batches(setup, steps)
     bars = _Progress(steps, progress is True, progress if callable(progress) else None)

@@ -49,11 +49,12 @@ from typing import Callable, Iterator
 import torch
 
 from ddplab.compare import compiled as _compiled
+from ddplab.compare import data as _data
 from ddplab.compare import sharded_optimizers as _sharded
 from ddplab.compare import stand_in as _stand_in
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
 from ddplab.compare.runners import ForwardDigests
-from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable, split
+from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable
 from ddplab.records import record
 
 __all__ = ["PHASES", "register_reduction", "reduction_emulation", "unavailable", "replay_records",
@@ -410,7 +411,7 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
     rng = torch.get_rng_state()
     try:
         for step in range(steps):
-            pieces = split(batches[step], world * k)
+            pieces = _data.batch_pieces(setup, batches[step], step, world, k)
             caps = [ranks[r][step] for r in range(world)]
             for rank in range(world):
                 before = initial if step == 0 else ranks[rank][step - 1]["params"]

@@ -45,11 +45,12 @@ import torch
 import torch.distributed as dist
 
 from ddplab import records as _records
-from ddplab.compare.compiled import compile_wrapped, eager, outside_compile, plain_name
 from ddplab.compare import sharded_optimizers
+from ddplab.compare.compiled import compile_wrapped, eager, outside_compile, plain_name
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric, StepContext
+from ddplab.compare.data import batch_pieces, rank_micro_batches, reference_parts, shares_world
 from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_batch, forward_loss,
-                                  global_batches, model_digest, named_trainable, split)
+                                  global_batches, model_digest, named_trainable)
 
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
            "capture_path", "load_capture", "reference_worker", "VARIANTS",
@@ -302,6 +303,7 @@ class RunSpec:
     reduce_dtype: torch.dtype | None = None   # the gradient is rounded to it
     world_size: int = 1                       # > 1: the data-parallel promise, executed in one process
     k: int = 1                                # micro-batches per rank of that promise
+    shares: int = 1                           # the W whose uneven per-rank shares the loss averages over
 
 
 def _dtype_name(dtype) -> str:
@@ -316,7 +318,9 @@ def promise_label(world_size: int, k: int) -> str:
 def reference_runs(configurations: list[Configuration], *, promises: bool = True) -> list[RunSpec]:
     """The reference, the float64 truth, one precision-matched reference per mixed precision, and
     (``promises``) the float64 data-parallel promise of every (W, k) a built-in configuration uses."""
-    runs = [RunSpec("reference", "reference"), RunSpec("truth", "truth", dtype=torch.float64)]
+    shares = shares_world(configurations)
+    runs = [RunSpec("reference", "reference", shares=shares),
+            RunSpec("truth", "truth", dtype=torch.float64, shares=shares)]
     seen = set()
     for c in configurations:
         precision = c.dtypes()
@@ -328,7 +332,8 @@ def reference_runs(configurations: list[Configuration], *, promises: bool = True
                              reduce_dtype and reduce_dtype != param_dtype and f"reduce {_dtype_name(reduce_dtype)}")
                  if p]
         label = "reference " + "/".join(parts)
-        runs.append(RunSpec(label, f"ref{len(runs)}", param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+        runs.append(RunSpec(label, f"ref{len(runs)}", param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                            shares=shares))
     shapes = dict.fromkeys((c.world_size, c.k) for c in configurations if not isinstance(c, Custom))
     if promises:
         for world, k in shapes:
@@ -337,11 +342,13 @@ def reference_runs(configurations: list[Configuration], *, promises: bool = True
     return runs
 
 
-def _promise_backward(model, setup: Setup, batch: tuple, world: int, k: int) -> float:
+def _promise_backward(model, setup: Setup, batch: tuple, step: int, world: int, k: int,
+                      dtype: torch.dtype | None) -> float:
     """What DDP/FSDP promise for one step, in one process: every rank's k micro-batch losses, each
-    divided by k, backpropagated on the same weights, and the sum of the ranks' gradients divided by W."""
+    divided by k, backpropagated on the same weights, and the sum of the ranks' gradients divided by W
+    (the mean of per-rank means, whatever each rank's share)."""
     total = 0.0
-    for piece in split(batch, world * k):
+    for piece in batch_pieces(setup, batch, step, world, k, dtype):
         loss = forward_loss(model, setup.loss, piece)
         if k > 1:
             loss = loss / k
@@ -351,6 +358,18 @@ def _promise_backward(model, setup: Setup, batch: tuple, world: int, k: int) -> 
         if p.grad is not None:
             p.grad.div_(world)
     return total / world
+
+
+def _reference_loss(model, named: list, setup: Setup, spec: RunSpec, batch: tuple) -> torch.Tensor:
+    """One process's loss on ``batch``, computed in ``spec``'s precision."""
+    if spec.param_dtype is None:
+        return forward_loss(model, setup.loss, batch)
+    # Compute in param_dtype from the master weights, as FSDP2's MixedPrecisionPolicy does; the
+    # cast's backward returns the gradient to the master dtype.
+    low = {n: p.to(spec.param_dtype) for n, p in named}
+    inputs = cast_batch(batch, spec.param_dtype, target=False)
+    out = torch.func.functional_call(model, low, inputs[:-1])
+    return setup.loss(out, inputs[-1])
 
 
 def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> None:
@@ -366,17 +385,12 @@ def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> N
         batch = cast_batch(batch, spec.dtype)
         optimizer.zero_grad(set_to_none=True)
         if spec.world_size > 1 or spec.k > 1:
-            loss = _promise_backward(model, setup, batch, spec.world_size, spec.k)
-        elif spec.param_dtype is None:
-            loss = forward_loss(model, setup.loss, batch)
+            loss = _promise_backward(model, setup, batch, step, spec.world_size, spec.k, spec.dtype)
         else:
-            # Compute in param_dtype from the master weights, as FSDP2's
-            # MixedPrecisionPolicy does; the cast's backward returns the
-            # gradient to the master dtype.
-            low = {n: p.to(spec.param_dtype) for n, p in named}
-            inputs = cast_batch(batch, spec.param_dtype, target=False)
-            out = torch.func.functional_call(model, low, inputs[:-1])
-            loss = setup.loss(out, inputs[-1])
+            # Uneven per-rank shares weigh as DDP weighs them: the mean of the shares' mean losses.
+            parts = reference_parts(setup, batch, step, spec.shares, spec.dtype)
+            losses = [_reference_loss(model, named, setup, spec, part) for part in parts]
+            loss = losses[0] if len(losses) == 1 else sum(losses) / len(losses)
         if isinstance(loss, torch.Tensor):
             loss.backward()
         apply_before_step(setup, model)
@@ -572,14 +586,13 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
     kept: dict = {}  # a Custom step's own state across its steps (ctx.state)
     for step, batch in enumerate(batches):
         if variant == "twin":
-            # The global batch as W copies of rank 0's share: however the step splits it by rank,
-            # every rank trains the same samples.
-            share = split(batch, world)[0]
-            batch = tuple(torch.cat([t] * world) for t in share)
+            # Every rank trains rank 0's share; the global batch becomes W copies of it.
+            micro = rank_micro_batches(setup, batch, step, 0, world, config.k, dtype)
+            batch = tuple(torch.cat([t] * world) for t in (torch.cat(parts) for parts in zip(*micro)))
             _seed_alike(step)
+        else:
+            micro = rank_micro_batches(setup, batch, step, rank, world, config.k, dtype)
         capture.begin()
-        pieces = split(batch, world * config.k)
-        micro = pieces[rank * config.k:(rank + 1) * config.k]
         if trainer is None:
             shard = tuple(torch.cat(parts) for parts in zip(*micro))
             ctx = StepContext(model=model, optimizer=optimizer, loss=setup.loss, batch=batch, shard=shard,

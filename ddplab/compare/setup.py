@@ -14,7 +14,13 @@ that every rank rebuilds the same training from it:
 * ``before_step(model)`` (optional) runs after the gradients are reduced and
   before ``optimizer.step()``, in the reference and in every built-in
   configuration alike: the place for ``clip_grad_norm_`` or any other
-  change to the reduced gradient that the training does.
+  change to the reduced gradient that the training does;
+* ``rank_batches(rank, world_size, step)`` (optional) returns the batch rank
+  ``rank`` of ``world_size`` trains at ``step`` (a per-rank loader, a
+  ``DistributedSampler``; it must read its rank and world size from its
+  arguments), beside ``batches``, the global batches one process trains on
+  (:mod:`ddplab.compare.data`). Without it rank r trains the r-th of W equal
+  shares of each global batch.
 
 :func:`check_setup` tries all of it once in this process, before any rank
 starts, and raises a :class:`SetupError` (a ValueError) that names what is
@@ -63,6 +69,7 @@ class Setup:
     optimizer: Callable[[Any], torch.optim.Optimizer]
     name: str = "setup"
     before_step: Callable[[nn.Module], Any] | None = None
+    rank_batches: Callable[[int, int, int], Sequence] | None = None
 
     def build_model(self, dtype: torch.dtype | None = None) -> nn.Module:
         """A fresh model, converted to ``dtype`` when given (the float64 truth)."""
@@ -213,7 +220,7 @@ def _check_batches(setup: Setup, steps: int | None, divisors: dict[str, int]) ->
         elif shapes != first_shapes:
             raise SetupError(f"batch {s} has per-sample shapes/dtypes {shapes}, batch 0 has {first_shapes}")
         size = batch[0].shape[0]
-        for config, pieces in divisors.items():
+        for config, pieces in divisors.items() if setup.rank_batches is None else ():  # ranks' own batches
             if size % pieces:
                 raise SetupError(f"batch {s} has {size} samples, which configuration {config!r} cannot "
                                  f"split into {pieces} equal pieces (ranks × micro-batches)")

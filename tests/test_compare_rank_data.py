@@ -30,11 +30,11 @@ def _global_batches(sizes=(32, 32, 6)) -> list[tuple]:
 
 
 def _uneven(rank: int, world: int, step: int, *, drop: int = 0) -> tuple:
-    """Each global batch cut into W contiguous shares, the last step 4 and 2 samples; ``drop``
-    samples fewer for the last rank at step 1."""
+    """Each global batch cut into W contiguous shares as equal as they come (for two ranks, the last
+    step 4 and 2 samples); ``drop`` samples fewer for the last rank at step 1."""
     batch = _global_batches()[step]
     size = batch[0].shape[0]
-    cut = [4, 2] if step == 2 else [size // world] * world
+    cut = [4, 2] if (step, world) == (2, 2) else [size // world + (r < size % world) for r in range(world)]
     share = tuple(t.split(cut)[rank] for t in batch)
     return tuple(t[:len(t) - drop] for t in share) if (drop and step == 1 and rank == world - 1) else share
 
@@ -50,7 +50,7 @@ def test_samples_are_counted_by_their_bytes_and_named_where_they_first_appear():
     setup = _setup(functools.partial(_uneven, drop=2))
     recs = data.sample_records(setup, compare.DDP(2), _global_batches())
     checked = [r for r in recs if r["metric"] == "data_checked"]
-    assert [(r["step"], r["shares"], r["uneven"]) for r in checked] == [(0, "16,16", False), (1, "16,14", False),
+    assert [(r["step"], r["shares"], r["uneven"]) for r in checked] == [(0, "16,16", False), (1, "16,14", True),
                                                                          (2, "4,2", True)]
     missing = [(r["step"], r["sample"], r["value"], r["kind"]) for r in recs if r["metric"] == "data_difference"]
     assert missing == [(1, "step 1 sample 30", -1, "missing_contribution"),
@@ -69,8 +69,8 @@ def test_one_process_weighs_uneven_complete_shares_as_ddp_does():
 
 def test_per_rank_batches_that_do_not_fit_are_refused_before_any_rank_starts():
     setup = _setup(_uneven)
-    with pytest.raises(SetupError, match=r"rank_batches\(1, 2, 2\) has 2 samples.*3 equal micro-batches"):
-        data.check_rank_batches(setup, 3, [compare.Accumulate(2, k=3)])
+    with pytest.raises(SetupError, match=r"rank_batches\(1, 2, 2\) has 2 samples.*4 equal micro-batches"):
+        data.check_rank_batches(setup, 3, [compare.Accumulate(2, k=4)])
     with pytest.raises(SetupError, match="one world size at a time"):
         data.check_rank_batches(setup, 3, [compare.DDP(2), compare.DDP(3)])
     with pytest.raises(SetupError, match="per-sample shapes"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 

@@ -7,16 +7,26 @@ optimizer state, its RNG state, its buffers, its thread count) and compared
 with what the rank captured, phase by phase, bit for bit:
 
 * ``local_gradient`` -- forward and backward on the rank's share (k
-  micro-batches, each loss divided by k, accumulated as autograd does) give
-  the bucket inputs the rank handed its comm hook;
+  micro-batches, each loss divided by k, accumulated as autograd does; its
+  own batches with ``Setup.rank_batches``) give the bucket inputs the rank
+  handed its comm hook. Accumulation without ``no_sync`` reduces after every
+  micro-batch: each reduction's input is replayed from the rank's reduced
+  gradient of the one before;
 * ``reduction`` -- the emulated reduction of every rank's *own* bucket
   inputs (gloo's ring after DDP's ``1/W`` multiply, or the emulation of the
   comm hook the configuration uses) gives each rank's bucket output;
-* ``update`` -- the rank's reduced buckets, cut back into gradients and
-  passed through the setup's ``before_step``, give the gradient the rank
+* ``update`` -- the rank's (last) reduced buckets, cut back into gradients
+  and passed through the setup's ``before_step``, give the gradient the rank
   handed ``optimizer.step()`` (``quantity="grad"``), and the user's
   optimizer, loaded with the rank's state, stepping on that gradient gives
-  the parameters after the step (``quantity="param"``).
+  the parameters after the step (``quantity="param"``). A sharded optimizer
+  (:mod:`ddplab.compare.sharded_optimizers`) updates the rank's own shard,
+  and every other parameter must equal its owner's (the broadcast).
+
+The user's loss and optimizer run under a stand-in process group of the
+rank's size and rank (:mod:`ddplab.compare.stand_in`), as they ran there; the
+model's forward and ``before_step`` run without one: no rank may change
+them. A compiled model runs compiled as on the rank (:mod:`ddplab.compare.compiled`).
 
 Each phase starts from the rank's own values (not the replay's), so a fault
 is found in the phase where it happens and every step is judged on its own.

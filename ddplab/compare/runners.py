@@ -18,9 +18,12 @@ it runs (progress).
 For the specification replay (:mod:`ddplab.compare.replay`) every step's
 file also holds the rank's state *before* the step -- torch's RNG state,
 the model's buffers, the thread count -- and the optimizer's state after
-it (the next step's state before), plus a digest of every module's forward
-output (:class:`ForwardDigests`), so that the parent can re-execute each
-rank's step on its own and name the first module that computed otherwise.
+it (the next step's state before; a sharded optimizer's own shard only,
+:mod:`ddplab.compare.sharded_optimizers`), plus a digest of every module's
+forward output outside compiled regions (:class:`ForwardDigests`), so that the
+parent can re-execute each rank's step on its own and name the first module
+that computed otherwise. A ``Custom`` step's capture watches every optimizer
+that steps the model's parameters, the setup's or one the step built itself.
 DDP (and Fabric's DDP) reduces through :func:`_capture_hook`, which keeps
 each bucket's parameters, local contribution and result around DDP's own
 reduction (bitwise what DDP does without a hook) or the user's comm hook.

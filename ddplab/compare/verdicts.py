@@ -33,7 +33,9 @@ SCOPE = ("covers every compared step of every rank: the replicas' gradients and 
          "whether the data-parallel promise equals one process, in float64; and, where no replay "
          "exists (Custom steps, models that issue collectives), each parameter's distance from a "
          "float64 run against the reference's own distance; not steps after the last one compared, "
-         "nor effects outside the captured gradients, parameters and buffers (data loading)")
+         "nor effects outside the captured gradients, parameters and buffers (data loading, unless "
+         "Setup.rank_batches gives each rank's batches: then every sample is counted against the "
+         "global batch)")
 
 
 @dataclasses.dataclass

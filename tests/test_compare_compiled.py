@@ -115,7 +115,6 @@ def test_the_readme_compiled_model_reads_exact_with_the_full_replay(warm_launche
     assert set(rows["phase"]) == {"local_gradient", "reduction", "update"} and rows["value"].sum() == 0
     assert not (result.records["metric"] == "replay_unverified").any()
     assert not result.records["param"].dropna().astype(str).str.contains("_orig_mod").any()
-    assert v._finding("twin").holds and v._finding("float64").holds  # a compiled model gets both
 
 
 def _compiled_after_ddp(ctx):

@@ -5,12 +5,17 @@ its step, rank and phase, as with no_sync.
 """
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
 import pytest
 
 from ddplab import compare
-from ddplab.compare import faults
+from ddplab.compare import examples, faults
 
 from test_compare_compiled import readme_example
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_the_readme_accumulation_without_no_sync_reads_exact_reduction_by_reduction(warm_launcher):
@@ -29,7 +34,7 @@ def test_the_readme_accumulation_without_no_sync_reads_exact_reduction_by_reduct
         assert grads.groupby(["step", "rank"]).size().tolist() == [2 * len(params)] * (2 * result.steps)
 
 
-@pytest.mark.parametrize("kind", ["local_gradient", "skipped_micro_batch"])
+@pytest.mark.parametrize("kind", ["local_gradient", pytest.param("skipped_micro_batch", marks=pytest.mark.slow)])
 def test_a_one_ulp_fault_is_a_bug_at_its_step_rank_and_phase(kind, warm_launcher):
     fault = faults.plant(kind, "ulp")
     config = compare.Accumulate(2, k=2, no_sync=False)
@@ -37,3 +42,24 @@ def test_a_one_ulp_fault_is_a_bug_at_its_step_rank_and_phase(kind, warm_launcher
     assert (v.kind, v.evidence) == ("bug", "replay"), v.headline
     assert (v.values["replay_step"], v.values["replay_rank"], v.values["replay_phase"]) == \
         (fault.step, fault.rank, fault.phase)
+
+
+def _rank_one_scales_its_first_micro_batch(ctx):
+    """Accumulation without no_sync in a Custom step, rank 1's first micro-batch loss one part in 10^6 off."""
+    ctx.optimizer.zero_grad(set_to_none=True)
+    for m, micro in enumerate(ctx.micro_batches):
+        loss = ctx.forward_loss(micro) / ctx.k
+        if ctx.rank == 1 and m == 0:
+            loss = loss * (1 + 1e-6)
+        loss.backward()
+    ctx.optimizer.step()
+
+
+@pytest.mark.slow
+def test_the_twin_compares_every_reduction_of_a_custom_accumulation(warm_launcher):
+    """The fault enters the first all-reduce only; the last one's inputs agree again across ranks."""
+    config = compare.Custom(2, k=2, train_step=_rank_one_scales_its_first_micro_batch)
+    v = compare.run(examples.digits_setup(0, steps=2), config, progress=False).verdict(config)
+    assert (v.kind, v.evidence, v.finding) == ("bug", "twin", "asymmetry"), v.headline
+    assert (v.values["twin_step"], v.values["twin_rank"], v.values["twin_quantity"], v.values["twin_param"]) == \
+        (0, 1, "collective", "bucket 0")

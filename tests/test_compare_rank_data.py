@@ -92,17 +92,29 @@ def test_the_readme_distributed_sampler_pads_a_duplicate_and_drop_last_reads_exa
 
 @pytest.fixture(scope="module")
 def uneven_runs(warm_launcher):
-    configs = [compare.DDP(2), compare.Custom(2, train_step=examples.plain_step)]
-    return (compare.run(_setup(_uneven), configs, progress=False),
+    return (compare.run(_setup(_uneven), compare.DDP(2), progress=False),
             compare.run(_setup(functools.partial(_uneven, drop=2)), compare.DDP(2), progress=False))
 
 
-def test_uneven_shares_with_every_sample_once_read_exact_or_rounding(uneven_runs):
-    result = uneven_runs[0]
-    ddp, custom = result.verdict("ddp W=2"), result.verdict(result.configurations[1])
-    assert (ddp.kind, ddp.evidence) == ("exact", "replay"), ddp.headline
-    assert ddp.finding_values("data")["uneven_steps"] == [2]
-    assert (custom.kind, custom.evidence) == ("rounding", "float64"), custom.headline
+def test_uneven_shares_with_every_sample_once_read_exact(uneven_runs):
+    v = uneven_runs[0].verdict("ddp W=2")
+    assert (v.kind, v.evidence) == ("exact", "replay"), v.headline
+    assert v.finding_values("data")["uneven_steps"] == [2]
+
+
+@pytest.mark.slow
+def test_every_configuration_trains_the_ranks_own_batches(warm_launcher):
+    configs = [compare.Accumulate(2, k=2), compare.FSDP2(2), compare.Custom(2, train_step=examples.plain_step)]
+    result = compare.run(_setup(_uneven), configs, progress=False)
+    assert result.verdict(configs[0]).kind == "exact", result.verdict(configs[0]).headline
+    for config in configs[1:]:
+        v = result.verdict(config)
+        assert (v.kind, v.evidence) == ("rounding", "float64"), (config.label, v.headline)
+        assert v._finding("twin").holds and v._finding("data").holds
+    broken = compare.run(_setup(functools.partial(_uneven, drop=2)), configs, progress=False)
+    for config in configs:
+        v = broken.verdict(config)
+        assert (v.kind, v.evidence, v.first_divergence) == ("bug", "data", 1), (config.label, v.headline)
 
 
 def test_a_sample_no_rank_trains_is_a_missing_contribution_at_its_step(uneven_runs):

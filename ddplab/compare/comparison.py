@@ -25,13 +25,12 @@ import torch
 
 from ddplab import launcher as _launcher
 from ddplab import records as _records
-from ddplab.compare import compiled as _compiled
 from ddplab.compare import data as _data
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
 from ddplab.compare import referee as _referee
-from ddplab.compare import stand_in as _stand_in
 from ddplab.compare import replay as _replay
+from ddplab.compare import stand_in as _stand_in
 from ddplab.compare import twin as _twin
 from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
 from ddplab.compare.runners import (RunSpec, configuration_worker, load_capture, reference_runs,
@@ -273,8 +272,8 @@ def own_evidence(setup: Setup, config: Configuration) -> bool:
     in float64)? Where the specification replay covers every phase it is the stronger evidence."""
     if _replay.unavailable(setup, config) is not None or isinstance(config, FSDP2):
         return True
-    if config.approximates() is not None or _compiled.compiles(setup, config):
-        return True  # a compiled model's local gradient may be left unverified by the replay
+    if config.approximates() is not None:
+        return True
     if _stand_in.reads_process_group(setup, config.world_size):
         return True  # the float64 promise ran in one process: not what the ranks promise
     return _replay.reduction_emulation(getattr(config, "comm_hook", None)) is None

@@ -22,7 +22,8 @@ Three rules keep the comparison of such a model faithful:
   and not the other -- it cannot tell a fault from another kernel:
   :func:`unverified_local` turns that local-gradient difference into
   ``replay_unverified`` ("local gradient unverified: compiled"), never a bug,
-  and the symmetric twin and the float64 run judge that phase instead.
+  and the other evidence judges that phase (the float64 promise, the band; for a
+  ``Custom`` step the symmetric twin and the float64 run, which it always gets).
 
 The single-process references run eagerly (:func:`eager`): they measure the
 rounding of one process, whose size compiling does not change, and a
@@ -47,7 +48,7 @@ ORIG_MOD = "_orig_mod."
 #: Why a local gradient of a compiled model is left to the other evidence.
 COMPILED_REASON = ("compiled: the replay's compiled kernels gave other bits than the rank's on the same "
                    "inputs (another graph split or dynamic shapes), so a fault cannot be told from "
-                   "another kernel; the symmetric twin and the float64 run judge this phase")
+                   "another kernel; the other evidence judges this phase")
 
 
 def plain_name(name: str) -> str:

@@ -208,8 +208,10 @@ class Capture:
         self.handles: list = []
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
-        optimizer.register_step_pre_hook(self._before)
-        optimizer.register_step_post_hook(self._after)
+        # Never traced: a compiled optimizer step runs them eagerly, as a graph break.
+        before, after = torch._dynamo.disable(self._before), torch._dynamo.disable(self._after)
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
         if any_optimizer:  # a Custom step may step an optimizer of its own over the model's parameters
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
             ids = {id(p) for _, p in named}
@@ -218,8 +220,8 @@ class Capture:
                 return opt is not optimizer and any(id(p) in ids for g in opt.param_groups for p in g["params"])
 
             self.handles = [
-                register_optimizer_step_pre_hook(lambda opt, a, k: self._before(opt, a, k) if steps_ours(opt) else None),
-                register_optimizer_step_post_hook(lambda opt, a, k: self._after(opt, a, k) if steps_ours(opt) else None)]
+                register_optimizer_step_pre_hook(lambda opt, a, k: before(opt, a, k) if steps_ours(opt) else None),
+                register_optimizer_step_post_hook(lambda opt, a, k: after(opt, a, k) if steps_ours(opt) else None)]
 
     def close(self) -> None:
         """Remove the hooks that watch every optimizer of the process."""

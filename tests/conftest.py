@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 
 import psutil
 import pytest
 
 os.environ.setdefault("TQDM_DISABLE", "1")
+# One inductor cache for the whole suite, its processes and ranks alike (set before the forkserver
+# starts, so every rank inherits it): a graph compiled once is loaded, not compiled, after that.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "ddplab-tests-inductor"))
 
 
 def _descendants() -> set[int]:

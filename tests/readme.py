@@ -20,3 +20,11 @@ def python_block(text: str) -> str:
 def python_blocks(text: str) -> list[str]:
     """Every ```python block of ``text``, in order."""
     return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def python_block_with(text: str, marker: str) -> str:
+    """The ```python block of ``text`` that contains ``marker`` (exactly one must)."""
+    found = [block for block in python_blocks(text) if marker in block]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} python blocks contain {marker!r}")
+    return found[0]

@@ -28,10 +28,12 @@ from ddplab import records as _records
 from ddplab.compare import finite as _finite
 from ddplab.compare import recorded as _recorded
 from ddplab.compare.captures import CaptureCache, Captures
+from ddplab.compare import data as _data
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
 from ddplab.compare import referee as _referee
 from ddplab.compare import replay as _replay
+from ddplab.compare import stand_in as _stand_in
 from ddplab.compare import twin as _twin
 from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
 from ddplab.compare.runners import (RunSpec, configuration_worker, precision_reference, reference_runs,
@@ -265,6 +267,8 @@ def own_evidence(setup: Setup, config: Configuration) -> bool:
         return True
     if config.approximates() is not None:
         return True
+    if _stand_in.reads_process_group(setup, config.world_size):
+        return True  # the float64 promise ran in one process: not what the ranks promise
     return _replay.reduction_emulation(getattr(config, "comm_hook", None)) is None
 
 
@@ -448,7 +452,7 @@ class _Session:
     def analyse(self, index: int, config: Configuration, caps: dict, batches: list) -> list[dict]:
         """Every record of ``config``: the band, the audits, the replay, the promise, the twin, float64."""
         status, error = self.statuses[config.label]
-        records, done, facts = [], 0, {}
+        records, done, facts, reads = [], 0, {}, False
         if status not in ("not run", "unavailable"):
             band = _band_run(config, self.runs, self._precision(index, config))
             ranks = [self.captures(f"config{index}", r) for r in range(config.world_size)]
@@ -463,13 +467,16 @@ class _Session:
                 caps = {key: value[:finite] for key, value in caps.items()}
             recs = _config_records(config, ranks, caps, band, self.facts["dtype"])
             records += recs
+            records += _data.sample_records(self.setup, config, batches)
             records += _reduction_records(config, ranks)
             records += _recorded.collective_records(config, ranks, self.facts["dtype"])
             records += _replay.replay_records(self.setup, config, ranks, batches)
             promise = caps.get(_promise_id(self.runs, config))
             # A model whose modules issue collectives (SyncBatchNorm) promises something else
             # than every rank's share on its own: the float64 promise does not describe it.
-            if promise is not None and _replay.unavailable(self.setup, config) is None:
+            # Nor does it where the loss reads the process group: the promise ran in a one-rank launch.
+            reads = _stand_in.reads_process_group(self.setup, config.world_size)
+            if promise is not None and _replay.unavailable(self.setup, config) is None and not reads:
                 records += _replay.semantic_records(self.setup, config, promise, caps)
             records += _localization.localize(self.setup, config, caps, ranks, recs)
             records += self._own_evidence(index, config, caps, finite)
@@ -477,7 +484,8 @@ class _Session:
                                       no_replay=_replay.unavailable(self.setup, config),
                                       random=self.facts["random"] or None,
                                       compression=_compression(config),
-                                      approximation=config.approximates(), **facts))
+                                      approximation=config.approximates(),
+                                      reads_process_group=reads or None, **facts))
         return records
 
     def _own_evidence(self, index: int, config: Configuration, caps: dict, finite: int | None) -> list[dict]:
@@ -529,6 +537,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     _launcher.check_timeout(timeout)
     facts = checked_setup(setup, steps, {c.label: c.pieces for c in configs}, timeout)
     steps = facts["steps"]
+    _data.check_rank_batches(setup, steps, configs)
     runs = reference_runs(configs, promises=not facts["random"])
     batches = global_batches(setup, steps)
     bars = _Progress(steps, progress is True, progress if callable(progress) else None)

@@ -125,6 +125,9 @@ class DDP(Configuration):
     BatchNorm layers (and torch's SyncBatchNorm, which DDP refuses on CPU) to
     :class:`ddplab.sync_batchnorm.SyncBatchNorm` before wrapping, as
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` would on GPUs.
+    ``compile=True`` (or a dict of ``torch.compile`` keyword arguments)
+    compiles the wrapped model: ``torch.compile(DistributedDataParallel(model))``
+    (a model compiled before wrapping comes from ``Setup.model``).
     """
 
     bucket_cap_mb: float | None = None
@@ -132,6 +135,7 @@ class DDP(Configuration):
     hook_state: Callable[[], Any] | None = None
     options: dict = dataclasses.field(default_factory=dict)
     sync_batchnorm: bool = False
+    compile: bool | dict = False
 
     kind = "ddp"
 
@@ -143,7 +147,16 @@ class DDP(Configuration):
             name += f" hook={getattr(self.comm_hook, '__name__', 'hook')}"
         if self.sync_batchnorm:
             name += " sync_batchnorm"
+        if self.compile is not False:
+            name += " compiled"
         return name
+
+    def ddp_kwargs(self) -> dict:
+        """The keyword arguments ``DistributedDataParallel`` is built with (``options``, ``bucket_cap_mb``)."""
+        kwargs = dict(self.options)
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        return kwargs
 
     def approximates(self) -> str | None:
         if self.approximation is not None or self.comm_hook is None:
@@ -174,6 +187,9 @@ class DDP(Configuration):
         if self.hook_state is not None and not callable(self.hook_state):
             raise ValueError("hook_state must be a zero-argument callable returning the hook's state "
                              "(it runs on each rank once the process group exists)")
+        if not isinstance(self.compile, (bool, dict)):
+            raise ValueError(f"compile must be True, False or a dict of torch.compile keyword arguments, "
+                             f"got {self.compile!r}")
         if not isinstance(self.sync_batchnorm, bool):
             raise ValueError(f"sync_batchnorm must be True or False, got {self.sync_batchnorm!r}")
         if not isinstance(self.options, dict):
@@ -191,17 +207,26 @@ class Accumulate(DDP):
     (gradients accumulate locally, no communication); the last runs outside
     it, and its backward reduces the accumulated gradient. Every micro-batch
     loss is divided by k, so the accumulated gradient is the mean over the
-    rank's share.
+    rank's share. ``no_sync=False`` leaves ``no_sync()`` out: every
+    micro-batch's backward all-reduces the gradient accumulated so far (more
+    communication, the same mean up to rounding); the replay follows it
+    all-reduce by all-reduce.
     """
 
     k: int = 2
+    no_sync: bool = True
 
     kind = "accumulate"
+
+    def _default_name(self) -> str:
+        return super()._default_name() + ("" if self.no_sync else " sync every micro-batch")
 
     def validate(self) -> None:
         super().validate()
         if self.k < 2:
             raise ValueError(f"Accumulate needs k >= 2 micro-batches, got {self.k} (use DDP for k=1)")
+        if not isinstance(self.no_sync, bool):
+            raise ValueError(f"no_sync must be True or False, got {self.no_sync!r}")
 
 
 @dataclasses.dataclass
@@ -265,6 +290,10 @@ class StepContext:
     ``(inputs..., target)``). ``step``, ``rank``, ``world_size``, ``k`` say where it is.
     Call :meth:`apply_before_step` between the reduction and ``optimizer.step()``
     to run the setup's ``before_step`` (e.g. clipping), as the reference does.
+    ``state`` is a dict that the rank keeps from step to step: the place for an
+    optimizer the step builds itself (``ctx.state.setdefault("opt", ...)``);
+    ddplab observes whichever optimizer steps the model's parameters, though
+    the reference trains with the setup's.
     """
 
     model: torch.nn.Module
@@ -278,6 +307,7 @@ class StepContext:
     world_size: int
     k: int
     before_step: Callable | None = None
+    state: dict = dataclasses.field(default_factory=dict)
 
     def apply_before_step(self) -> None:
         """The setup's ``before_step(model)``, if it has one."""

@@ -261,6 +261,61 @@ def _proves_collectives(finding: Finding, ctx: Context) -> Decision | None:
                     summary=("bug: from step {wrong_dtype_step} the gradients' {wrong_dtype_op} runs in "
                              "{wrong_dtype}, not in the {wrong_dtype_declared} the configuration declares"))
 
+# --------------------------------------------------------------------------- per-rank data
+
+
+def _read_data(ctx: Context) -> Finding | None:
+    """The ranks' own batches against the global batch, sample by sample (:mod:`ddplab.compare.data`)."""
+    checked = rows(ctx.frame, "data_checked", ctx.config)
+    if checked.empty:
+        return None
+    diff = rows(ctx.frame, "data_difference", ctx.config)
+    uneven = sorted({int(r["step"]) for _, r in checked.iterrows() if bool(label(r, "uneven", False))})
+    values = dict(steps_checked=int(checked["step"].nunique()), uneven_steps=uneven or ["none"],
+                  data_step=-1, data_kind="none", data_samples=[], data_differences=[], data_rank=-1)
+    if not diff.empty:
+        step = int(diff["step"].min())
+        first = diff[diff["step"] == step]
+        # A duplicated sample is named first: it is the contribution a sampler's padding adds.
+        first = first.assign(_dup=(first["kind"] != "duplicated_contribution").astype(int)).sort_values(
+            "_dup", kind="stable")
+        lead = first.iloc[0]
+        ranks = [int(r) for r in str(label(lead, "ranks", "") or "").split(",") if r != ""]
+        values.update(data_step=step, data_kind=str(lead["kind"]),
+                      data_samples=[str(r["sample"]) for _, r in first.iterrows()],
+                      data_differences=[[str(r["sample"]), int(r["value"]), str(label(r, "ranks", "") or "")]
+                                        for _, r in first.iterrows()],
+                      data_rank=ranks[-1] if ranks and lead["kind"] == "duplicated_contribution" else -1)
+    return Finding(key="data", claim="At every step the ranks train exactly the global batch's samples, each once",
+                   holds=diff.empty,
+                   template=("{steps_checked} step(s) checked sample by sample; uneven shares at step(s) "
+                             "{uneven_steps}, weighted as DDP weights them (the mean of per-rank means)"),
+                   values=values)
+
+
+def _data_text(values: dict) -> str:
+    parts = []
+    for sample, extra, ranks in values["data_differences"]:
+        if extra > 0:
+            parts.append(f"{sample} is trained {extra} time(s) more than one process trains it at this step "
+                         f"(rank(s) {ranks} hold it): a duplicated contribution")
+        else:
+            held = f"rank(s) {ranks} hold it" if ranks else "no rank holds it"
+            parts.append(f"{sample} is trained {-extra} time(s) less than one process trains it at this step "
+                         f"({held}): a missing contribution")
+    return "; ".join(parts)
+
+
+def _proves_data(finding: Finding, ctx: Context) -> Decision | None:
+    if finding.holds is not False:
+        return None
+    dv = finding.values
+    values = dict(dv, data_text=_data_text(dv), first_rank=dv["data_rank"],
+                  first_param=", ".join(dv["data_samples"][:3]))
+    return Decision("bug", "data", finding=dv["data_kind"], first_divergence=dv["data_step"], values=values,
+                    summary=("bug: the ranks' own batches are not the global batch one process trains: at step "
+                             "{data_step}, {data_text}"))
+
 
 # --------------------------------------------------------------------------- the specification replay
 
@@ -692,6 +747,11 @@ EVIDENCE: tuple[Evidence, ...] = (
                 "`dist.*` calls) is recorded; one whose output differs from the emulation of every rank's "
                 "recorded inputs in any bit, or a gradient reduction in another dtype than declared (a "
                 "`reduce_dtype` not applied), is a bug: step, rank, op, group, dtype, elements, ulps"),)),
+    Evidence("data", _read_data, proves=_proves_data, verdicts=(
+        ("bug", "with per-rank batches (`Setup.rank_batches`), some step's ranks train a sample more often "
+                "(a sampler's padding: `duplicated_contribution`) or less often (`missing_contribution`) "
+                "than that step's global batch holds it, by the samples' bytes: the step and the samples, "
+                "named by where they first appear in the global batches (`step 0 sample 3`)"),)),
     Evidence("replay", _read_replay, proves=_proves_replay, clears=_clears_replay, verdicts=(
         ("bug", "some rank's local gradient, reduced bucket or update differs from ddplab's specification "
                 "replay of that rank's step, by any amount (one ulp in one element counts): the first step, "

@@ -43,6 +43,9 @@ import torch
 
 from ddplab.compare import referee as _referee
 from ddplab.compare.configurations import Configuration
+from ddplab.compare import data as _data
+from ddplab.compare import stand_in
+from ddplab.compare.compiled import eager
 from ddplab.compare.setup import Setup, cast_batch, forward_loss, global_batches, named_trainable, split
 from ddplab.records import record
 
@@ -68,9 +71,11 @@ def _flat(tensors: dict, names: list[str], like: dict) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def piece_gradients(setup: Setup, step: int, pieces: int, params_before: dict | None) -> tuple[list[str], torch.Tensor]:
+def piece_gradients(setup: Setup, step: int, pieces: int, params_before: dict | None,
+                    shape: tuple[int, int] | None = None) -> tuple[list[str], torch.Tensor]:
     """``(names, G)``: the float64 gradient of each of ``pieces`` pieces of batch ``step``,
-    at the weights ``params_before`` (None: the initial weights), as columns of G."""
+    at the weights ``params_before`` (None: the initial weights), as columns of G. With per-rank
+    data the pieces are the ranks' micro-batches (``shape``: the configuration's W and k)."""
     model = setup.build_model(torch.float64)
     named = named_trainable(model)
     if params_before is not None:
@@ -79,9 +84,13 @@ def piece_gradients(setup: Setup, step: int, pieces: int, params_before: dict | 
                 p.copy_(params_before[name].to(torch.float64))
     batch = cast_batch(global_batches(setup, step + 1)[step], torch.float64)
     columns = []
-    for piece in split(batch, pieces):
+    world, k = shape or (pieces, 1)
+    parts = _data.batch_pieces(setup, batch, step, world, k, torch.float64) if setup.rank_batches else \
+        split(batch, pieces)
+    for piece in parts:
         model.zero_grad(set_to_none=True)
-        forward_loss(model, setup.loss, piece).backward()
+        with stand_in.process_group(0, 1), eager():  # one process's pieces, as the reference computes them
+            forward_loss(model, setup.loss, piece).backward()
         columns.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                   for _, p in named]))
     return [n for n, _ in named], torch.stack(columns, dim=1)
@@ -217,7 +226,7 @@ def localize(setup: Setup, config: Configuration, caps: dict, ranks: list[list[d
     g_config = _flat(ranks[0][step]["grads"], names, like)
     g_ref = _flat(caps["reference"][step]["grads"], names, like)
     before = truth[step - 1]["params"] if step > 0 else None
-    basis_names, basis = piece_gradients(setup, step, config.pieces, before)
+    basis_names, basis = piece_gradients(setup, step, config.pieces, before, (config.world_size, config.k))
     if basis_names != names:  # the captures name the same parameters as a fresh model
         raise AssertionError(f"capture names {names[:3]}... differ from the model's {basis_names[:3]}...")
     a_truth, resid_truth = fit_weights(basis, g_truth)
@@ -266,7 +275,7 @@ def semantic_fit(setup: Setup, config: Configuration, step: int, g_promise: dict
     names = list(truth[step]["grads"])
     like = truth[step]["grads"]
     before = truth[step - 1]["params"] if step > 0 else None
-    _, basis = piece_gradients(setup, step, config.pieces, before)
+    _, basis = piece_gradients(setup, step, config.pieces, before, (config.world_size, config.k))
     a_truth, _ = fit_weights(basis, _flat(like, names, like))
     a_promise, resid = fit_weights(basis, _flat(g_promise, names, like))
     weights = classify_weights(a_promise / a_truth, FIT_TOLERANCE) if resid <= FIT_TOLERANCE else \

@@ -7,16 +7,26 @@ optimizer state, its RNG state, its buffers, its thread count) and compared
 with what the rank captured, phase by phase, bit for bit:
 
 * ``local_gradient`` -- forward and backward on the rank's share (k
-  micro-batches, each loss divided by k, accumulated as autograd does) give
-  the bucket inputs the rank handed its comm hook;
+  micro-batches, each loss divided by k, accumulated as autograd does; its
+  own batches with ``Setup.rank_batches``) give the bucket inputs the rank
+  handed its comm hook. Accumulation without ``no_sync`` reduces after every
+  micro-batch: each reduction's input is replayed from the rank's reduced
+  gradient of the one before;
 * ``reduction`` -- the emulated reduction of every rank's *own* bucket
   inputs (gloo's ring after DDP's ``1/W`` multiply, or the emulation of the
   comm hook the configuration uses) gives each rank's bucket output;
-* ``update`` -- the rank's reduced buckets, cut back into gradients and
-  passed through the setup's ``before_step``, give the gradient the rank
+* ``update`` -- the rank's (last) reduced buckets, cut back into gradients
+  and passed through the setup's ``before_step``, give the gradient the rank
   handed ``optimizer.step()`` (``quantity="grad"``), and the user's
   optimizer, loaded with the rank's state, stepping on that gradient gives
-  the parameters after the step (``quantity="param"``).
+  the parameters after the step (``quantity="param"``). A sharded optimizer
+  (:mod:`ddplab.compare.sharded_optimizers`) updates the rank's own shard,
+  and every other parameter must equal its owner's (the broadcast).
+
+The user's loss and optimizer run under a stand-in process group of the
+rank's size and rank (:mod:`ddplab.compare.stand_in`), as they ran there; the
+model's forward and ``before_step`` run without one: no rank may change
+them. A compiled model runs compiled as on the rank (:mod:`ddplab.compare.compiled`).
 
 Each phase starts from the rank's own values (not the replay's), so a fault
 is found in the phase where it happens and every step is judged on its own.
@@ -48,9 +58,13 @@ from typing import Callable, Iterator
 
 import torch
 
+from ddplab.compare import compiled as _compiled
+from ddplab.compare import data as _data
+from ddplab.compare import sharded_optimizers as _sharded
+from ddplab.compare import stand_in as _stand_in
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
 from ddplab.compare.runners import ForwardDigests
-from ddplab.compare.setup import Setup, apply_before_step, cast_batch, forward_loss, named_trainable, split
+from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable
 from ddplab.records import record
 
 __all__ = ["PHASES", "register_reduction", "reduction_emulation", "unavailable", "replay_records",
@@ -186,23 +200,65 @@ class _Emitter:
 # --------------------------------------------------------------------------- the phases
 
 
-def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: list, cap: dict):
-    """The rank's forward/backward on its micro-batches, from its RNG state; gradients and digests."""
+def _with_round(cap: dict, round_: int) -> dict:
+    """``cap`` with only the buckets of its ``round_``-th reduction (-1: the last)."""
+    rounds = sorted({b.get("round", 0) for b in cap.get("buckets", [])}) or [0]
+    keep = rounds[round_] if -len(rounds) <= round_ < len(rounds) else None
+    return dict(cap, buckets=[b for b in cap.get("buckets", []) if b.get("round", 0) == keep])
+
+
+def _syncs_every_micro_batch(config: Configuration) -> bool:
+    return config.k > 1 and getattr(config, "no_sync", True) is False
+
+
+def _rank_loss(setup: Setup, out, target, rank: int, world: int) -> torch.Tensor:
+    """The setup's loss as the rank ran it: under a stand-in process group of its size and rank
+    (a loss that divides by the world size). The model's forward and the rest of the step are the
+    specification's, which no rank may change."""
+    with _stand_in.process_group(rank, world):
+        return setup.loss(out, target)
+
+
+def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: list, cap: dict, rank: int):
+    """The rank's forward/backward on its micro-batches, from its RNG state: the local gradient of
+    each reduction (one; k when every micro-batch synchronizes, each starting from the rank's own
+    reduced gradient of the one before) and the forward digests. For a compiled configuration the
+    passes run through the module as the rank compiled it (for DDP's, inside a stand-in group)."""
     digests = ForwardDigests(model)
-    torch.set_rng_state(cap["rng"])
+    named = named_trainable(model)
+    every = _syncs_every_micro_batch(config)
     k = len(micro)
-    for piece in micro:
-        loss = forward_loss(model, setup.loss, piece)
-        if k > 1:
-            loss = loss / k
-        loss.backward()
+    rounds = []
+    with (_stand_in.process_group(rank, config.world_size) if _compiled.compile_options(config) is not None
+          else contextlib.nullcontext()):
+        ran = _compiled.as_ranks_ran(model, config)
+        torch.set_rng_state(cap["rng"])
+        for m, piece in enumerate(micro):
+            if every and m:  # DDP left the reduced gradient of the micro-batch before in .grad
+                reduced = _reduced_grads(_with_round(cap, m - 1), dict(named))
+                for name, p in named:
+                    p.grad = reduced[name].clone()
+            loss = _rank_loss(setup, ran(*piece[:-1]), piece[-1], rank, config.world_size)
+            if k > 1:
+                loss = loss / k
+            loss.backward()
+            if every or m == k - 1:
+                rounds.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+                               for n, p in named})
     digests.remove()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-             for n, p in named_trainable(model)}
-    return grads, digests.calls
+    return rounds, digests.calls
 
 
-def _local_fsdp(setup: Setup, config: FSDP2, model: torch.nn.Module, micro: list, cap: dict):
+def _reduced_grads(cap: dict, like: dict) -> dict:
+    """The gradients the rank's reduced buckets give (DDP copies each bucket back), zero elsewhere."""
+    grads = {n: torch.zeros_like(p) for n, p in like.items()}
+    for bucket in cap["buckets"]:
+        for name, start, stop in _bucket_params(bucket, grads):
+            grads[name] = bucket["result"][start:stop].view_as(grads[name]).clone()
+    return grads
+
+
+def _local_fsdp(setup: Setup, config: FSDP2, model: torch.nn.Module, micro: list, cap: dict, rank: int):
     """FSDP2's compute: the full parameters cast to ``param_dtype``, inputs cast, one backward;
     the gradient of each cast parameter is what FSDP2 reduce-scatters (in its ``reduce_dtype``)."""
     param_dtype, _ = config.dtypes()
@@ -212,9 +268,9 @@ def _local_fsdp(setup: Setup, config: FSDP2, model: torch.nn.Module, micro: list
     torch.set_rng_state(cap["rng"])
     inputs = cast_batch(micro[0], param_dtype, target=False)
     out = torch.func.functional_call(model, low, inputs[:-1])
-    setup.loss(out, inputs[-1]).backward()
+    _rank_loss(setup, out, inputs[-1], rank, config.world_size).backward()
     digests.remove()
-    return {n: t.grad.detach().clone() for n, t in low.items()}, digests.calls
+    return [{n: t.grad.detach().clone() for n, t in low.items()}], digests.calls
 
 
 def _first_module(live_calls: list, replay_calls: list, differing_params: list[str]) -> tuple[str, str]:
@@ -245,9 +301,10 @@ def _replay_local(em: _Emitter, setup, config, step, rank, cap, before, buffers,
     model = _model_at(setup, before, buffers)
     with _threads(cap.get("threads")):
         if isinstance(config, FSDP2):
-            grads, calls = _local_fsdp(setup, config, model, micro, cap)
+            rounds, calls = _local_fsdp(setup, config, model, micro, cap, rank)
         else:
-            grads, calls = _local(setup, config, model, micro, cap)
+            rounds, calls = _local(setup, config, model, micro, cap, rank)
+    grads = rounds[-1]
     differing = []
     if isinstance(config, FSDP2):
         # FSDP2's reduce-scatter input is not kept per parameter; its forward is compared by
@@ -256,9 +313,10 @@ def _replay_local(em: _Emitter, setup, config, step, rank, cap, before, buffers,
                       "forward outputs compared by digest, the reduce-scatter by the ranks' audit")
     else:
         for bucket in cap.get("buckets", []):
+            replayed = rounds[min(bucket.get("round", 0), len(rounds) - 1)]  # its reduction's local gradient
             for name, start, stop in _bucket_params(bucket, grads):
                 c = em.bits(step, rank, "local_gradient", "grad", name, bucket["local"][start:stop],
-                            grads[name])
+                            replayed[name])
                 if c["differing"]:
                     differing.append(name)
     live_calls = cap.get("forward", [])
@@ -298,12 +356,9 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, before, optim_b
     named = named_trainable(model)
     with _threads(cap.get("threads")):
         if cap.get("buckets"):
-            # What the rank's reduced buckets give its step: DDP copies each bucket back into
+            # What the rank's last reduced buckets give its step: DDP copies each bucket back into
             # the gradients, then the setup's before_step (clipping) runs.
-            grads = {n: torch.zeros_like(p) for n, p in named}
-            for bucket in cap["buckets"]:
-                for name, start, stop in _bucket_params(bucket, grads):
-                    grads[name] = bucket["result"][start:stop].view_as(grads[name]).clone()
+            grads = _reduced_grads(_with_round(cap, -1), dict(named))
             for name, p in named:
                 p.grad = grads[name].clone()
             apply_before_step(setup, model)
@@ -311,18 +366,26 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, before, optim_b
                 if name in cap["grads"]:
                     em.bits(step, rank, "update", "grad", name, cap["grads"][name], p.grad)
         # The optimizer on the rank's own gradient, from the rank's own state -- but with the
-        # hyperparameters the setup gives (load_state_dict would take the rank's own, and a rank
-        # whose learning rate differs would then be replayed with it).
-        optimizer = setup.optimizer(model.parameters())
-        if optim_before is not None:
-            promised = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            optimizer.load_state_dict(optim_before)
+        # hyperparameters the setup gives one process (load_state_dict would take the rank's own,
+        # and a rank whose learning rate differs would then be replayed with it). It is built as
+        # the rank built it (a sharded one partitions by the stand-in's rank) and loads the rank's
+        # own state (a sharded one: its own shard).
+        with _stand_in.process_group(0, 1):
+            promised = [{k: v for k, v in g.items() if k != "params"}
+                        for g in setup.optimizer(model.parameters()).param_groups]
+        with _stand_in.process_group(rank, config.world_size):
+            optimizer = setup.optimizer(model.parameters())
+            if optim_before is not None and not _sharded.restore_state(optimizer, named, optim_before):
+                optimizer.load_state_dict(optim_before)
             for group, hyper in zip(optimizer.param_groups, promised):
                 group.update(hyper)
-        for name, p in named:
-            p.grad = cap["grads"][name].clone() if name in cap["grads"] else None
-        optimizer.step()
+            for name, p in named:
+                p.grad = cap["grads"][name].clone() if name in cap["grads"] else None
+            optimizer.step()
+    mine = _sharded.owned(cap.get("optimizer"))  # a sharded optimizer updates the rank's own shard
     for name, p in named:
+        if mine is not None and name not in mine:
+            continue  # another rank's: checked against its owner's (the broadcast)
         live, replay = cap["params"][name], p.detach()
         if isinstance(config, FSDP2) and live.ndim:
             # Each rank updates only its own shard (dim-0 chunks); the full tensor it captured
@@ -352,10 +415,13 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
     initial = {n: p.detach().clone() for n, p in named_trainable(setup.build_model())}
     steps = min(len(r) for r in ranks)
     modules_seen: list[str] = []
+    compiled = _compiled.compiles(setup, config)
+    if compiled:
+        _compiled.fresh_compiler()  # the rank compiled from nothing
     rng = torch.get_rng_state()
     try:
         for step in range(steps):
-            pieces = split(batches[step], world * k)
+            pieces = _data.batch_pieces(setup, batches[step], step, world, k)
             caps = [ranks[r][step] for r in range(world)]
             for rank in range(world):
                 before = initial if step == 0 else ranks[rank][step - 1]["params"]
@@ -366,6 +432,8 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
                 _replay_local(em, setup, config, step, rank, caps[rank], before, source.get("buffers"), micro,
                               modules_seen)
                 _replay_update(em, setup, config, step, rank, caps[rank], before, optim_before)
+            _sharded.broadcast_records(lambda s, r, name, live, owner: em.bits(s, r, "update", "param", name,
+                                                                               live, owner), step, caps)
             if isinstance(config, FSDP2):
                 continue  # the ranks' audit measured every reduce-scatter bit for bit
             if emulation is None:
@@ -373,11 +441,12 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
                 for rank in range(world):
                     em.unverified(step, rank, "reduction", f"ddplab has no bit-exact emulation of {hook} "
                                   "(ddplab.compare.replay.register_reduction states one)")
-            else:
-                _replay_reduction(em, config, step, caps, emulation)
+            else:  # every reduction of the step (k when every micro-batch synchronizes)
+                for round_ in range(len({b.get("round", 0) for b in caps[0].get("buckets", [])})):
+                    _replay_reduction(em, config, step, [_with_round(cap, round_) for cap in caps], emulation)
     finally:
         torch.set_rng_state(rng)
-    return em.out
+    return _compiled.unverified_local(em.out) if compiled else em.out
 
 
 def first_difference(frame, config: str) -> dict | None:

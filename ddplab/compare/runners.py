@@ -18,9 +18,12 @@ it runs (progress).
 For the specification replay (:mod:`ddplab.compare.replay`) every step's
 file also holds the rank's state *before* the step -- torch's RNG state,
 the model's buffers, the thread count -- and the optimizer's state after
-it (the next step's state before), plus a digest of every module's forward
-output (:class:`ForwardDigests`), so that the parent can re-execute each
-rank's step on its own and name the first module that computed otherwise.
+it (the next step's state before; a sharded optimizer's own shard only,
+:mod:`ddplab.compare.sharded_optimizers`), plus a digest of every module's
+forward output outside compiled regions (:class:`ForwardDigests`), so that the
+parent can re-execute each rank's step on its own and name the first module
+that computed otherwise. A ``Custom`` step's capture watches every optimizer
+that steps the model's parameters, the setup's or one the step built itself.
 DDP (and Fabric's DDP) reduces through :func:`_capture_hook`, which keeps
 each bucket's parameters, local contribution and result around DDP's own
 reduction (bitwise what DDP does without a hook) or the user's comm hook.
@@ -45,9 +48,12 @@ import torch
 import torch.distributed as dist
 
 from ddplab import records as _records
+from ddplab.compare import sharded_optimizers
+from ddplab.compare.compiled import compile_wrapped, eager, outside_compile, plain_name
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric, StepContext
+from ddplab.compare.data import batch_pieces, rank_micro_batches, reference_parts, shares_world
 from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_batch, forward_loss,
-                                  global_batches, model_digest, named_trainable, split)
+                                  global_batches, model_digest, named_trainable)
 
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
            "capture_path", "load_capture", "reference_worker", "VARIANTS", "collective_state", "collective_record",
@@ -104,12 +110,14 @@ def _capture_hook(state, bucket):
     local = bucket.buffer().detach().clone()  # before the in-place reduction
     index = bucket.index()
     names = [state.names.get(id(p), "?") for p in bucket.parameters()]
+    # Which reduction of this bucket in the step (accumulation that syncs every micro-batch has k).
+    round_ = sum(b["index"] == index for b in state.buckets)
 
     def keep(fut: torch.futures.Future) -> torch.Tensor:
         value = fut.value()
         result = value[0] if isinstance(value, (list, tuple)) else value
         state.buckets.append(dict(index=index, params=",".join(names), names=names, local=local,
-                                  result=result.detach().clone()))
+                                  result=result.detach().clone(), round=round_))
         return value
 
     if state.hook is None:
@@ -139,10 +147,11 @@ class ForwardDigests:
     def __init__(self, module: torch.nn.Module):
         self.calls: list[tuple[str, str]] = []
         self.dtypes: set[str] = set()   # the floating dtypes modules computed in (autocast shows here)
-        self.handles = [m.register_forward_hook(self._hook(name or "(model)"))
+        self.handles = [m.register_forward_hook(self._hook(plain_name(name) or "(model)"))
                         for name, m in module.named_modules()]
 
     def _hook(self, name: str):
+        @outside_compile  # inside a compiled region it does nothing: the user's graph stays whole
         def hook(module, args, output):
             t = output[0] if isinstance(output, (list, tuple)) and output else output
             if isinstance(t, torch.Tensor):
@@ -184,7 +193,8 @@ class Capture:
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
                  label: str, rank: int, buckets: BucketCapture | None = None,
-                 module: torch.nn.Module | None = None, recorder: Any = None):
+                 module: torch.nn.Module | None = None, any_optimizer: bool = False,
+                 recorder: Any = None):
         self.named = named
         self.optimizer = optimizer
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
@@ -197,9 +207,30 @@ class Capture:
         self.digests = ForwardDigests(module) if module is not None else None
         self.before: dict = {}
         self.recorder = recorder
+        self.any_optimizer = any_optimizer
+        self.handles: list = []
+        self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
-        optimizer.register_step_pre_hook(self._before)
-        optimizer.register_step_post_hook(self._after)
+        # Never traced: a compiled optimizer step runs them eagerly, as a graph break.
+        before, after = torch._dynamo.disable(self._before), torch._dynamo.disable(self._after)
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+        if any_optimizer:  # a Custom step may step an optimizer of its own over the model's parameters
+            from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+            ids = {id(p) for _, p in named}
+
+            def steps_ours(opt) -> bool:
+                return opt is not optimizer and any(id(p) in ids for g in opt.param_groups for p in g["params"])
+
+            self.handles = [
+                register_optimizer_step_pre_hook(lambda opt, a, k: before(opt, a, k) if steps_ours(opt) else None),
+                register_optimizer_step_post_hook(lambda opt, a, k: after(opt, a, k) if steps_ours(opt) else None)]
+
+    def close(self) -> None:
+        """Remove the hooks that watch every optimizer of the process."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def begin(self, step: int | None = None) -> None:
         """Note the rank's state before a step: what the replay starts that step from."""
@@ -212,16 +243,27 @@ class Capture:
             self.digests.take()
 
     def _before(self, optimizer, args, kwargs) -> None:
+        if self._stepping is not None:
+            return  # an optimizer stepped inside another's step() (ZeRO's local one): the outer one counts
+        self._stepping = optimizer
         self.calls += 1
         if self.grads is None:  # the first step() of a training step is the one compared
             self.grads = {n: _full(p.grad) for n, p in self.named if p.grad is not None}
 
     def _after(self, optimizer, args, kwargs) -> None:
+        if optimizer is not self._stepping:
+            return
+        self._stepping = None
         self.params = {n: _full(p) for n, p in self.named}
         if self.calls == 1:
-            self.optim = optimizer_state(optimizer)
+            # A sharded optimizer's own shard: its state_dict() would be a collective.
+            self.optim = sharded_optimizers.capture_state(optimizer, self.named) or optimizer_state(optimizer)
 
     def finish(self, step: int, loss: float | None) -> None:
+        if self.calls == 0 and self.any_optimizer:
+            raise RuntimeError(f"{self.label}: no optimizer stepped the model's parameters in step {step}: call "
+                               "ctx.optimizer.step() (the setup's optimizer) or step an optimizer of your own "
+                               "over ctx.model's parameters")
         if self.calls == 0:
             raise RuntimeError(f"{self.label}: optimizer.step() was not called in step {step}")
         grads = self.grads
@@ -289,6 +331,7 @@ class RunSpec:
     reduce_dtype: torch.dtype | None = None   # the gradient is rounded to it
     world_size: int = 1                       # > 1: the data-parallel promise, executed in one process
     k: int = 1                                # micro-batches per rank of that promise
+    shares: int = 1                           # the W whose uneven per-rank shares the loss averages over
 
 
 def _dtype_name(dtype) -> str:
@@ -300,25 +343,30 @@ def promise_label(world_size: int, k: int) -> str:
     return f"promise W={world_size} k={k}"
 
 
-def precision_reference(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, *, run_id: str) -> RunSpec:
-    """The single-process reference computing in ``param_dtype`` with gradients rounded to ``reduce_dtype``."""
+def precision_reference(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, *, run_id: str,
+                        **fields) -> RunSpec:
+    """The single-process reference computing in ``param_dtype`` with gradients rounded to ``reduce_dtype``
+    (``fields``: the other :class:`RunSpec` fields, e.g. ``shares``)."""
     parts = [p for p in (param_dtype and _dtype_name(param_dtype),
                          reduce_dtype and reduce_dtype != param_dtype and f"reduce {_dtype_name(reduce_dtype)}")
              if p]
-    return RunSpec("reference " + "/".join(parts), run_id, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return RunSpec("reference " + "/".join(parts), run_id, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   **fields)
 
 
 def reference_runs(configurations: list[Configuration], *, promises: bool = True) -> list[RunSpec]:
     """The reference, the float64 truth, one precision-matched reference per mixed precision, and
     (``promises``) the float64 data-parallel promise of every (W, k) a built-in configuration uses."""
-    runs = [RunSpec("reference", "reference"), RunSpec("truth", "truth", dtype=torch.float64)]
+    shares = shares_world(configurations)
+    runs = [RunSpec("reference", "reference", shares=shares),
+            RunSpec("truth", "truth", dtype=torch.float64, shares=shares)]
     seen = set()
     for c in configurations:
         precision = c.dtypes()
         if precision == (None, None) or precision in seen:
             continue
         seen.add(precision)
-        runs.append(precision_reference(*precision, run_id=f"ref{len(runs)}"))
+        runs.append(precision_reference(*precision, run_id=f"ref{len(runs)}", shares=shares))
     shapes = dict.fromkeys((c.world_size, c.k) for c in configurations if not isinstance(c, Custom))
     if promises:
         for world, k in shapes:
@@ -327,11 +375,13 @@ def reference_runs(configurations: list[Configuration], *, promises: bool = True
     return runs
 
 
-def _promise_backward(model, setup: Setup, batch: tuple, world: int, k: int) -> float:
+def _promise_backward(model, setup: Setup, batch: tuple, step: int, world: int, k: int,
+                      dtype: torch.dtype | None) -> float:
     """What DDP/FSDP promise for one step, in one process: every rank's k micro-batch losses, each
-    divided by k, backpropagated on the same weights, and the sum of the ranks' gradients divided by W."""
+    divided by k, backpropagated on the same weights, and the sum of the ranks' gradients divided by W
+    (the mean of per-rank means, whatever each rank's share)."""
     total = 0.0
-    for piece in split(batch, world * k):
+    for piece in batch_pieces(setup, batch, step, world, k, dtype):
         loss = forward_loss(model, setup.loss, piece)
         if k > 1:
             loss = loss / k
@@ -341,6 +391,18 @@ def _promise_backward(model, setup: Setup, batch: tuple, world: int, k: int) -> 
         if p.grad is not None:
             p.grad.div_(world)
     return total / world
+
+
+def _reference_loss(model, named: list, setup: Setup, spec: RunSpec, batch: tuple) -> torch.Tensor:
+    """One process's loss on ``batch``, computed in ``spec``'s precision."""
+    if spec.param_dtype is None:
+        return forward_loss(model, setup.loss, batch)
+    # Compute in param_dtype from the master weights, as FSDP2's MixedPrecisionPolicy does; the
+    # cast's backward returns the gradient to the master dtype.
+    low = {n: p.to(spec.param_dtype) for n, p in named}
+    inputs = cast_batch(batch, spec.param_dtype, target=False)
+    out = torch.func.functional_call(model, low, inputs[:-1])
+    return setup.loss(out, inputs[-1])
 
 
 def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> None:
@@ -356,17 +418,12 @@ def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> N
         batch = cast_batch(batch, spec.dtype)
         optimizer.zero_grad(set_to_none=True)
         if spec.world_size > 1 or spec.k > 1:
-            loss = _promise_backward(model, setup, batch, spec.world_size, spec.k)
-        elif spec.param_dtype is None:
-            loss = forward_loss(model, setup.loss, batch)
+            loss = _promise_backward(model, setup, batch, step, spec.world_size, spec.k, spec.dtype)
         else:
-            # Compute in param_dtype from the master weights, as FSDP2's
-            # MixedPrecisionPolicy does; the cast's backward returns the
-            # gradient to the master dtype.
-            low = {n: p.to(spec.param_dtype) for n, p in named}
-            inputs = cast_batch(batch, spec.param_dtype, target=False)
-            out = torch.func.functional_call(model, low, inputs[:-1])
-            loss = setup.loss(out, inputs[-1])
+            # Uneven per-rank shares weigh as DDP weighs them: the mean of the shares' mean losses.
+            parts = reference_parts(setup, batch, step, spec.shares, spec.dtype)
+            losses = [_reference_loss(model, named, setup, spec, part) for part in parts]
+            loss = losses[0] if len(losses) == 1 else sum(losses) / len(losses)
         if isinstance(loss, torch.Tensor):
             loss.backward()
         apply_before_step(setup, model)
@@ -387,8 +444,9 @@ def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, d
                          "this one, so ranks would start from different models: seed it with a "
                          "constant (torch.manual_seed(0)), not from the process or the clock")
     batches = global_batches(setup, steps)
-    for spec in runs:
-        _train_reference(setup, spec, batches, root)
+    with eager():  # one process's rounding, which compiling would not change in size
+        for spec in runs:
+            _train_reference(setup, spec, batches, root)
 
 
 # --------------------------------------------------------------------------- the configurations
@@ -409,9 +467,7 @@ class _Trainer:
 def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     from torch.nn.parallel import DistributedDataParallel
 
-    kwargs = dict(config.options)
-    if config.bucket_cap_mb is not None:
-        kwargs["bucket_cap_mb"] = config.bucket_cap_mb
+    kwargs = config.ddp_kwargs()
     if config.sync_batchnorm:  # in place: the same parameters, the same names
         from ddplab.sync_batchnorm import convert_sync_batchnorm
         raw = convert_sync_batchnorm(raw)
@@ -426,7 +482,8 @@ def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
     buckets = BucketCapture(named_trainable(raw), hook, hook_state)
     model.register_comm_hook(buckets, _capture_hook)
     optimizer = setup.optimizer(model.parameters())
-    return _Trainer(model, optimizer, optimizer, lambda loss: loss.backward(), model.no_sync, buckets)
+    return _Trainer(compile_wrapped(model, config), optimizer, optimizer, lambda loss: loss.backward(),
+                    model.no_sync, buckets)
 
 
 def _fabric(raw: torch.nn.Module, setup: Setup, config: Fabric) -> _Trainer:
@@ -483,13 +540,14 @@ def _custom_model(raw: torch.nn.Module, config: Custom) -> tuple[torch.nn.Module
     return config.wrap(raw), None
 
 
-def _builtin_step(trainer: _Trainer, setup: Setup, micro_batches: list) -> float:
-    """Zero the gradients, k forward/backward passes (all but the last without sync), one step."""
+def _builtin_step(trainer: _Trainer, setup: Setup, micro_batches: list, no_sync: bool = True) -> float:
+    """Zero the gradients, k forward/backward passes (all but the last without sync, unless
+    ``no_sync`` is False: then every one synchronizes), one step."""
     k = len(micro_batches)
     trainer.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for m, micro in enumerate(micro_batches):
-        with (contextlib.nullcontext() if m == k - 1 else trainer.no_sync()):
+        with (contextlib.nullcontext() if m == k - 1 or not no_sync else trainer.no_sync()):
             loss = forward_loss(trainer.model, setup.loss, micro)
             if k > 1:
                 loss = loss / k
@@ -580,24 +638,26 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
         optimizer, buckets = trainer.raw_optimizer, trainer.buckets
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
-                      rank=rank, buckets=buckets, module=raw, recorder=recorder)
+                      rank=rank, buckets=buckets, module=raw, any_optimizer=trainer is None,
+                      recorder=recorder)
+    kept: dict = {}  # a Custom step's own state across its steps (ctx.state)
     for step, batch in enumerate(batches):
         if variant == "twin":
-            # The global batch as W copies of rank 0's share: however the step splits it by rank,
-            # every rank trains the same samples.
-            share = split(batch, world)[0]
-            batch = tuple(torch.cat([t] * world) for t in share)
+            # Every rank trains rank 0's share; the global batch becomes W copies of it.
+            micro = rank_micro_batches(setup, batch, step, 0, world, config.k, dtype)
+            batch = tuple(torch.cat([t] * world) for t in (torch.cat(parts) for parts in zip(*micro)))
             _seed_alike(step)
+        else:
+            micro = rank_micro_batches(setup, batch, step, rank, world, config.k, dtype)
         capture.begin(step)
-        pieces = split(batch, world * config.k)
-        micro = pieces[rank * config.k:(rank + 1) * config.k]
         if trainer is None:
             shard = tuple(torch.cat(parts) for parts in zip(*micro))
             ctx = StepContext(model=model, optimizer=optimizer, loss=setup.loss, batch=batch, shard=shard,
                               micro_batches=micro, step=step, rank=rank, world_size=world, k=config.k,
-                              before_step=setup.before_step)
+                              before_step=setup.before_step, state=kept)
             loss = _loss_value(config.train_step(ctx))
         else:
-            loss = _builtin_step(trainer, setup, micro)
+            loss = _builtin_step(trainer, setup, micro, getattr(config, "no_sync", True))
         capture.finish(step, loss)
+    capture.close()
     return len(batches)

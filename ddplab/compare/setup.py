@@ -14,7 +14,13 @@ that every rank rebuilds the same training from it:
 * ``before_step(model)`` (optional) runs after the gradients are reduced and
   before ``optimizer.step()``, in the reference and in every built-in
   configuration alike: the place for ``clip_grad_norm_`` or any other
-  change to the reduced gradient that the training does.
+  change to the reduced gradient that the training does;
+* ``rank_batches(rank, world_size, step)`` (optional) returns the batch rank
+  ``rank`` of ``world_size`` trains at ``step`` (a per-rank loader, a
+  ``DistributedSampler``; it must read its rank and world size from its
+  arguments), beside ``batches``, the global batches one process trains on
+  (:mod:`ddplab.compare.data`). Without it rank r trains the r-th of W equal
+  shares of each global batch.
 
 :func:`check_setup` tries all of it once in this process, before any rank
 starts, and raises a :class:`SetupError` (a ValueError) that names what is
@@ -30,6 +36,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+
+from ddplab.compare.compiled import plain_name
 
 __all__ = ["Setup", "SetupError", "check_setup", "split", "cast_batch", "model_digest",
            "named_trainable", "global_batches", "apply_before_step", "forward_loss"]
@@ -61,6 +69,7 @@ class Setup:
     optimizer: Callable[[Any], torch.optim.Optimizer]
     name: str = "setup"
     before_step: Callable[[nn.Module], Any] | None = None
+    rank_batches: Callable[[int, int, int], Sequence] | None = None
 
     def build_model(self, dtype: torch.dtype | None = None) -> nn.Module:
         """A fresh model, converted to ``dtype`` when given (the float64 truth)."""
@@ -76,13 +85,14 @@ def global_batches(setup: Setup, steps: int | None = None) -> list:
 
 
 def named_trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """``(name, parameter)`` of every parameter that requires a gradient, each once, in module order."""
+    """``(name, parameter)`` of every parameter that requires a gradient, each once, in module order
+    (names without ``torch.compile``'s ``_orig_mod.``)."""
     seen: set[int] = set()
     out = []
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            out.append((name, p))
+            out.append((plain_name(name), p))  # a compiled model names them as the eager one
     return out
 
 
@@ -210,7 +220,7 @@ def _check_batches(setup: Setup, steps: int | None, divisors: dict[str, int]) ->
         elif shapes != first_shapes:
             raise SetupError(f"batch {s} has per-sample shapes/dtypes {shapes}, batch 0 has {first_shapes}")
         size = batch[0].shape[0]
-        for config, pieces in divisors.items():
+        for config, pieces in divisors.items() if setup.rank_batches is None else ():  # ranks' own batches
             if size % pieces:
                 raise SetupError(f"batch {s} has {size} samples, which configuration {config!r} cannot "
                                  f"split into {pieces} equal pieces (ranks × micro-batches)")
@@ -219,6 +229,16 @@ def _check_batches(setup: Setup, steps: int | None, divisors: dict[str, int]) ->
 
 def check_setup(setup: Setup, *, steps: int | None = None,
                 divisors: dict[str, int] | None = None) -> dict:
+    """Try the whole setup once here; raise :class:`SetupError` naming the first problem
+    (:func:`_check_setup`). It runs eagerly (a compiled model is not compiled here) and, in a
+    process without one, under a one-rank stand-in process group, as the reference runs."""
+    from ddplab.compare import compiled, stand_in
+
+    with compiled.eager(), stand_in.process_group(0, 1):
+        return _check_setup(setup, steps=steps, divisors=divisors)
+
+
+def _check_setup(setup: Setup, *, steps: int | None, divisors: dict[str, int] | None) -> dict:
     """Try the whole setup once here; raise :class:`SetupError` naming the first problem.
 
     Checks: the model builds, reproducibly (two calls give bitwise the same

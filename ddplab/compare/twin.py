@@ -64,6 +64,13 @@ def _collectives(out: list, labels: dict, step: int, rank: int, mine: list, firs
                           quantity="collective", param="(number of collectives)", **labels))
 
 
+def _bucket_inputs(capture: dict) -> dict:
+    """Bucket name -> this rank's input to it; every reduction of a step (accumulation that syncs
+    each micro-batch reduces a bucket k times) under its own name."""
+    return {f"bucket {b['index']}" + (f" reduction {b['round']}" if b.get("round") else ""): b["local"]
+            for b in capture.get("buckets", [])}
+
+
 def twin_records(label: str, ranks: list[list[dict]]) -> list[dict]:
     """Compare every rank of the twin with rank 0, step by step.
 
@@ -80,10 +87,8 @@ def twin_records(label: str, ranks: list[list[dict]]) -> list[dict]:
             _forward(out, labels, step, rank, mine.get("forward", []), first.get("forward", []))
             if first.get("collectives"):
                 _collectives(out, labels, step, rank, mine.get("collectives", []), first["collectives"])
-            elif "buckets" in first:  # DDP's bucket inputs, kept around its reduction
-                _tensors(out, labels, step, rank, "collective",
-                         {f"bucket {b['index']}": b["local"] for b in mine.get("buckets", [])},
-                         {f"bucket {b['index']}": b["local"] for b in first["buckets"]})
+            elif "buckets" in first:  # DDP's bucket inputs, kept around each of its reductions
+                _tensors(out, labels, step, rank, "collective", _bucket_inputs(mine), _bucket_inputs(first))
             _tensors(out, labels, step, rank, "grad", mine["grads"], first["grads"])
             _tensors(out, labels, step, rank, "param", mine["params"], first["params"])
     return out

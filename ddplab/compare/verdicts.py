@@ -36,7 +36,8 @@ SCOPE = ("covers every compared step of every rank: finite values; the replicas'
          "float64 truth; whether the data-parallel promise equals one process, in float64; and each "
          "parameter's distance from a float64 run against the reference's own distance; not steps after the "
          "last one compared or after the first non-finite value, nor effects outside the captured gradients, "
-         "parameters, buffers and collectives (data loading)")
+         "parameters, buffers and collectives (data loading, unless Setup.rank_batches gives each rank's "
+         "batches: then every sample is counted against the global batch)")
 
 
 @dataclasses.dataclass

@@ -112,6 +112,7 @@ def test_autocast_is_measured_against_a_reference_in_its_precision(correct_steps
     assert "reference bfloat16" in [r.label for r in result.runs]
 
 
+@pytest.mark.slow  # each verdict it shows is tested above; this is notebook 05's cell, end to end
 def test_the_notebook_demo_shows_each_verdict_of_the_evidence_needing_no_specification(warm_launcher):
     setup, configs = faults.own_code_demo(steps=STEPS)
     result = compare.run(setup, configs, progress=False)

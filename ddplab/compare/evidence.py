@@ -454,19 +454,24 @@ def _proves_semantic(finding: Finding, ctx: Context) -> Decision | None:
 # --------------------------------------------------------------------------- the symmetric twin
 
 
+def _not_run(ctx: Context, evidence: str, claim: str) -> Finding | None:
+    """The finding of an evidence run that could not run (its ``evidence_unavailable`` reason), or None."""
+    unavailable = rows(ctx.frame, "evidence_unavailable", ctx.config)
+    unavailable = unavailable[unavailable["evidence"] == evidence] if not unavailable.empty else unavailable
+    if unavailable.empty:
+        return None
+    return Finding(key=evidence, claim=claim, holds=None, template="not run: {reason}",
+                   values=dict(reason=str(unavailable.iloc[0]["reason"])))
+
+
 def _read_twin(ctx: Context) -> Finding | None:
     """Every rank, given rank 0's data and RNG state, computes bitwise what rank 0 computes."""
     from ddplab.compare.twin import first_asymmetry
 
     found = rows(ctx.frame, "twin_differing", ctx.config)
-    unavailable = rows(ctx.frame, "evidence_unavailable", ctx.config)
-    unavailable = unavailable[unavailable["evidence"] == "twin"] if not unavailable.empty else unavailable
     claim = "Given the same data and RNG state, every rank computes bitwise what rank 0 computes"
     if found.empty:
-        if unavailable.empty:
-            return None
-        return Finding(key="twin", claim=claim, holds=None, template="not run: {reason}",
-                       values=dict(reason=str(unavailable.iloc[0]["reason"])))
+        return _not_run(ctx, "twin", claim)
     first = first_asymmetry(ctx.frame, ctx.config)
     values = dict(compared=int(len(found)), steps=int(found["step"].nunique()),
                   quantities=sorted({str(q) for q in found["quantity"]}))
@@ -504,14 +509,9 @@ def _proves_twin(finding: Finding, ctx: Context) -> Decision | None:
 def _read_float64(ctx: Context) -> Finding | None:
     """The configuration's own step, wrap and hooks, run in float64, against the float64 truth."""
     found = rows(ctx.frame, "float64_distance", ctx.config)
-    unavailable = rows(ctx.frame, "evidence_unavailable", ctx.config)
-    unavailable = unavailable[unavailable["evidence"] == "float64"] if not unavailable.empty else unavailable
     claim = "Run in float64, the configuration's own code is one process's computation"
     if found.empty:
-        if unavailable.empty:
-            return None
-        return Finding(key="float64", claim=claim, holds=None, template="not run: {reason}",
-                       values=dict(reason=str(unavailable.iloc[0]["reason"])))
+        return _not_run(ctx, "float64", claim)
     diff = rows(ctx.frame, "float64_difference", ctx.config)
     values = dict(max_float64_distance=float(found["value"].max()),
                   float64_tolerance=float(found.iloc[0]["tolerance"]),

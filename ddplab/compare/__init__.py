@@ -24,9 +24,12 @@ from ddplab.compare import examples, figures
 from ddplab.compare.comparison import DEFAULT_TIMEOUT, Comparison, ReferenceFailed, run
 from ddplab.compare.configurations import (DDP, FSDP2, Accumulate, Configuration, Custom, Fabric,
                                            StepContext)
+from ddplab.compare.meshes import FSDP2TP, HSDP, TP
+from ddplab.compare import mesh_training  # noqa: F401 - registers the mesh configurations' trainer
 from ddplab.compare.setup import Setup, SetupError
 from ddplab.compare.verdicts import ConfigVerdict
 
 __all__ = ["run", "Comparison", "ReferenceFailed", "DEFAULT_TIMEOUT", "Setup", "SetupError",
            "Configuration", "DDP", "Accumulate", "Fabric", "FSDP2", "Custom", "StepContext",
+           "HSDP", "TP", "FSDP2TP",
            "ConfigVerdict", "examples", "figures"]

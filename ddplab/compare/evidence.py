@@ -24,6 +24,7 @@ import dataclasses
 import math
 from typing import Callable
 
+from ddplab.compare import mesh_evidence as _mesh
 from ddplab.compare import referee as _referee
 from ddplab.verdict import Finding
 
@@ -677,12 +678,16 @@ def read_band(ctx: Context, dev) -> Finding:
 # --------------------------------------------------------------------------- the registry
 
 
+_MESH = {name: Evidence(name, read, proves=proves, verdicts=verdicts)
+         for name, read, proves, verdicts in _mesh.SOURCES}
+
 EVIDENCE: tuple[Evidence, ...] = (
     Evidence("finite", _read_finite, proves=_proves_finite, verdicts=(
         ("bug", "a gradient or parameter of the configuration turned NaN or Inf at a step where the "
                 "single-process reference stays finite: the first step, rank and parameter (a reference "
                 "that turns non-finite too means the data or model produce it; either way the steps "
                 "before are judged)"),)),
+    _MESH["mesh_replicas"],
     Evidence("replicas", _read_replicas, proves=_proves_replicas, verdicts=(
         ("bug", "after a synchronized step two ranks hold gradients or parameters that differ in any bit: "
                 "replicas must agree, no band makes that rounding (the replay then names the rank and phase "
@@ -692,6 +697,8 @@ EVIDENCE: tuple[Evidence, ...] = (
                 "`dist.*` calls) is recorded; one whose output differs from the emulation of every rank's "
                 "recorded inputs in any bit, or a gradient reduction in another dtype than declared (a "
                 "`reduce_dtype` not applied), is a bug: step, rank, op, group, dtype, elements, ulps"),)),
+    _MESH["mesh_precision"],
+    _MESH["partial_sums"],
     Evidence("replay", _read_replay, proves=_proves_replay, clears=_clears_replay, verdicts=(
         ("bug", "some rank's local gradient, reduced bucket or update differs from ddplab's specification "
                 "replay of that rank's step, by any amount (one ulp in one element counts): the first step, "

@@ -197,6 +197,7 @@ class Capture:
         self.digests = ForwardDigests(module) if module is not None else None
         self.before: dict = {}
         self.recorder = recorder
+        self.keep: Callable[[], dict] | None = None
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
@@ -235,6 +236,8 @@ class Capture:
             data["forward_dtypes"] = sorted(self.digests.dtypes)
         if self.recorder is not None:
             data["collectives"] = [collective_state(r) for r in self.recorder.take()]
+        if self.keep is not None:
+            data.update(self.keep())
         path = capture_path(self.root, self.run_id, step, self.rank)
         torch.save(data, path + ".tmp")
         os.replace(path + ".tmp", path)  # a capture that exists is complete
@@ -319,7 +322,8 @@ def reference_runs(configurations: list[Configuration], *, promises: bool = True
             continue
         seen.add(precision)
         runs.append(precision_reference(*precision, run_id=f"ref{len(runs)}"))
-    shapes = dict.fromkeys((c.world_size, c.k) for c in configurations if not isinstance(c, Custom))
+    shapes = dict.fromkeys((c.shares, c.k) for c in configurations
+                           if not isinstance(c, Custom) and (c.shares, c.k) != (1, 1))
     if promises:
         for world, k in shapes:
             label = promise_label(world, k)
@@ -404,6 +408,7 @@ class _Trainer:
     backward: Callable
     no_sync: Callable[[], contextlib.AbstractContextManager]
     buckets: BucketCapture | None = None
+    keep: Callable[[], dict] | None = None   # more of each step for its capture file (a mesh's local shards)
 
 
 def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
@@ -581,16 +586,18 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
                       rank=rank, buckets=buckets, module=raw, recorder=recorder)
+    capture.keep = trainer.keep if trainer is not None else None
+    shares, share = config.shares, config.share_of(rank, world)
     for step, batch in enumerate(batches):
         if variant == "twin":
             # The global batch as W copies of rank 0's share: however the step splits it by rank,
             # every rank trains the same samples.
-            share = split(batch, world)[0]
-            batch = tuple(torch.cat([t] * world) for t in share)
+            first = split(batch, shares)[0]
+            batch = tuple(torch.cat([t] * shares) for t in first)
             _seed_alike(step)
         capture.begin(step)
-        pieces = split(batch, world * config.k)
-        micro = pieces[rank * config.k:(rank + 1) * config.k]
+        pieces = split(batch, shares * config.k)
+        micro = pieces[share * config.k:(share + 1) * config.k]
         if trainer is None:
             shard = tuple(torch.cat(parts) for parts in zip(*micro))
             ctx = StepContext(model=model, optimizer=optimizer, loss=setup.loss, batch=batch, shard=shard,

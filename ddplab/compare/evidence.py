@@ -501,6 +501,11 @@ def _own_evidence_text(ctx: Context) -> str:
     collectives = ctx.findings.get("collectives")
     if collectives is not None and collectives.holds:
         parts.append("every collective equals its emulation bit for bit")
+    replicas, precision = ctx.findings.get("mesh_replicas"), ctx.findings.get("mesh_precision")
+    if replicas is not None and replicas.holds:
+        parts.append("what each mesh axis replicates is bitwise equal along it")
+    if precision is not None and precision.holds:
+        parts.append("every reduction on every axis runs in the dtype the policy declares")
     return ("; " + " and ".join(parts)) if parts else ""
 
 

@@ -226,7 +226,7 @@ def _tp_reduce_dtype(seed, steps):
     config = FSDP2TP(mp_policy=_policy(torch.bfloat16, torch.float32), plan=sequence_parallel_plan)
     return Example(
         name="tp_reduce_dtype", setup=token_setup(seed, steps=steps), configurations=[config],
-        expected={config.label: MeshExpected("bug", evidence="mesh_precision", axis="tp", param="attn.norm.weight",
+        expected={config.label: MeshExpected("bug", evidence="mesh_precision", axis="tp", param="ffn.norm.weight",
                                              op="allreduce")},
         story="MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) with sequence parallelism: FSDP2 "
               "reduce-scatters in float32, but the norms' partial gradients are all-reduced along tp first, in "

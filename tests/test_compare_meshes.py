@@ -113,6 +113,16 @@ def test_the_mesh_sources_are_in_the_registry_and_the_readme_table():
     assert table in README.read_text()
 
 
+def test_case_05_accepts_the_mesh_configuration_names():
+    from ddplab.cases.your_training import CASE, resolve_configurations
+
+    params = CASE.check_params({"configurations": ["hsdp", "hsdp_bf16", "tp", "fsdp2_tp", "fsdp2_tp_bf16"]})
+    built = resolve_configurations(params)
+    assert [type(c) for c in built] == [HSDP, HSDP, TP, FSDP2TP, FSDP2TP]
+    assert (built[0].k, built[1].dtypes(), built[4].dtypes()) == (params["k"], (torch.bfloat16,) * 2,
+                                                                   (torch.bfloat16,) * 2)
+
+
 # --------------------------------------------------------------------------- on real meshes
 
 
@@ -238,3 +248,4 @@ def test_a_one_ulp_fault_on_one_rank_of_a_mesh_is_a_bug_on_its_axis(warm_launche
     v = compare.run(fault.setup, [fault.config], progress=False).verdict(fault.config)
     assert (v.kind, v.evidence, v.values["axis"], v.values["first_rank"]) == (
         "bug", fault.evidence, fault.axis, fault.rank), v.headline
+

@@ -14,6 +14,11 @@ every step's gradient and updated parameters, parameter by parameter::
     result.records              # tidy records: step, rank, metric, value, config, param, quantity...
     compare.figures.deviation_over_steps(result.records)
 
+Data parallel on device meshes -- :class:`HSDP`, :class:`TP`, :class:`FSDP2TP`
+(:mod:`~ddplab.compare.meshes`) -- is judged per mesh axis
+(:mod:`~ddplab.compare.mesh_evidence`); :mod:`~ddplab.compare.mesh_examples` ships a tiny
+language model, its tensor-parallel plans and planted mesh faults.
+
 The referee (:mod:`~ddplab.compare.referee`) judges each run by its
 distance from the truth, in units of the reference's own distance;
 :mod:`~ddplab.compare.localization` names the first divergence (a constant

@@ -177,14 +177,16 @@ class Capture:
     ``named`` is the ``(name, parameter)`` list to capture (the names of the
     unwrapped model); ``buckets``, a :class:`BucketCapture` whose buckets go
     into the step's file too; ``module``, the unwrapped model, whose buffers
-    and forward digests (:class:`ForwardDigests`) are kept for the replay.
+    and forward digests (:class:`ForwardDigests`) are kept for the replay;
+    ``keep()``, whatever else the step's file holds (a mesh's local shards).
     :meth:`begin` notes the state before a step (RNG, buffers, threads),
     :meth:`finish` writes the step's file and emits its records.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
                  label: str, rank: int, buckets: BucketCapture | None = None,
-                 module: torch.nn.Module | None = None, recorder: Any = None):
+                 module: torch.nn.Module | None = None, recorder: Any = None,
+                 keep: Callable[[], dict] | None = None):
         self.named = named
         self.optimizer = optimizer
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
@@ -197,7 +199,7 @@ class Capture:
         self.digests = ForwardDigests(module) if module is not None else None
         self.before: dict = {}
         self.recorder = recorder
-        self.keep: Callable[[], dict] | None = None
+        self.keep = keep
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
@@ -585,12 +587,12 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
         optimizer, buckets = trainer.raw_optimizer, trainer.buckets
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
-                      rank=rank, buckets=buckets, module=raw, recorder=recorder)
-    capture.keep = trainer.keep if trainer is not None else None
+                      rank=rank, buckets=buckets, module=raw, recorder=recorder,
+                      keep=trainer.keep if trainer is not None else None)
     shares, share = config.shares, config.share_of(rank, world)
     for step, batch in enumerate(batches):
         if variant == "twin":
-            # The global batch as W copies of rank 0's share: however the step splits it by rank,
+            # The global batch as copies of its first share: however the step splits it by rank,
             # every rank trains the same samples.
             first = split(batch, shares)[0]
             batch = tuple(torch.cat([t] * shares) for t in first)

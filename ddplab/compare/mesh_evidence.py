@@ -237,7 +237,9 @@ def read_precision(ctx):
     if found.empty:
         return None
     wrong = found[found["dtype"] != found["declared"]]
-    attributed = bool(found["attributed"].astype(bool).all())
+    # Unlabelled, a tensor-parallel gradient's reduction reads as an activation's: that matters only
+    # where the two kinds are declared different dtypes.
+    attributed = bool(found["attributed"].astype(bool).all()) or found["declared"].nunique() == 1
     seen = sorted({f"{r['axis']} {r['op']} {r['kind']} {r['dtype']}" for _, r in found.iterrows()})
     values = dict(reductions=seen, attributed="yes" if attributed else "no", precision_step=-1, precision_axis="",
                   precision_op="", precision_kind="", precision_dtype="", precision_declared="",
@@ -253,8 +255,8 @@ def read_precision(ctx):
                        claim="Every reduction on every mesh axis runs in the dtype the policy declares for it: a "
                              "gradient's in the reduce dtype, an activation's in the compute dtype",
                        holds=False if not wrong.empty else (True if attributed else None),
-                       template=("reductions seen (axis, op, kind, dtype): {reductions}; gradient reductions told "
-                                 "apart by FSDP2's labels: {attributed}"),
+                       template=("reductions seen (axis, op, kind, dtype): {reductions}; every gradient reduction "
+                                 "told apart from an activation's where it matters: {attributed}"),
                        values=values)
 
 

@@ -65,6 +65,18 @@ class Recorder:
         self._step: int | None = None
         self._spill_parts = 0
         self._hook_scope = threading.local()
+        self._labels: dict = {}
+
+    @contextlib.contextmanager
+    def labelled(self, **labels) -> Iterator[None]:
+        """Collectives issued inside the block carry ``labels`` in their ``extra`` (inner blocks override),
+        e.g. the parameters whose gradient a reduction carries."""
+        previous = self._labels
+        self._labels = {**previous, **labels}
+        try:
+            yield
+        finally:
+            self._labels = previous
 
     # ------------------------------------------------------------------ the caller's side
 
@@ -148,6 +160,7 @@ class Recorder:
                 rec.root = int(args[spec.root_arg])
             if spec.extra is not None:
                 rec.extra.update(spec.extra(args))
+            rec.extra.update(self._labels)
             inputs = [_copy(t) for t in spec.inputs(args)]
             outputs = spec.outputs(args)
             rec.input_shapes = tuple(tuple(t.shape) for t in inputs)

@@ -14,6 +14,11 @@ every step's gradient and updated parameters, parameter by parameter::
     result.records              # tidy records: step, rank, metric, value, config, param, quantity...
     compare.figures.deviation_over_steps(result.records)
 
+Data parallel on device meshes -- :class:`HSDP`, :class:`TP`, :class:`FSDP2TP`
+(:mod:`~ddplab.compare.meshes`) -- is judged per mesh axis
+(:mod:`~ddplab.compare.mesh_evidence`); :mod:`~ddplab.compare.mesh_examples` ships a tiny
+language model, its tensor-parallel plans and planted mesh faults.
+
 The referee (:mod:`~ddplab.compare.referee`) judges each run by its
 distance from the truth, in units of the reference's own distance;
 :mod:`~ddplab.compare.localization` names the first divergence (a constant
@@ -24,9 +29,12 @@ from ddplab.compare import examples, figures
 from ddplab.compare.comparison import DEFAULT_TIMEOUT, Comparison, ReferenceFailed, run
 from ddplab.compare.configurations import (DDP, FSDP2, Accumulate, Configuration, Custom, Fabric,
                                            StepContext)
+from ddplab.compare.meshes import FSDP2TP, HSDP, TP
+from ddplab.compare import mesh_training  # noqa: F401 - registers the mesh configurations' trainer
 from ddplab.compare.setup import Setup, SetupError
 from ddplab.compare.verdicts import ConfigVerdict
 
 __all__ = ["run", "Comparison", "ReferenceFailed", "DEFAULT_TIMEOUT", "Setup", "SetupError",
            "Configuration", "DDP", "Accumulate", "Fabric", "FSDP2", "Custom", "StepContext",
+           "HSDP", "TP", "FSDP2TP",
            "ConfigVerdict", "examples", "figures"]

@@ -31,6 +31,8 @@ from ddplab.compare.captures import CaptureCache, Captures
 from ddplab.compare import data as _data
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
+from ddplab.compare import mesh_evidence as _mesh_evidence
+from ddplab.compare import meshes as _meshes
 from ddplab.compare import referee as _referee
 from ddplab.compare import replay as _replay
 from ddplab.compare import stand_in as _stand_in
@@ -174,7 +176,7 @@ def _promise_id(runs: list[RunSpec], config: Configuration) -> str | None:
     """The run id of the float64 promise of ``config``'s W and k, if one ran."""
     for spec in runs:
         if spec.world_size > 1 or spec.k > 1:
-            if (spec.world_size, spec.k) == (config.world_size, config.k) and not isinstance(config, Custom):
+            if (spec.world_size, spec.k) == (config.shares, config.k) and not isinstance(config, Custom):
                 return spec.run_id
     return None
 
@@ -470,6 +472,7 @@ class _Session:
             records += _data.sample_records(self.setup, config, batches)
             records += _reduction_records(config, ranks)
             records += _recorded.collective_records(config, ranks, self.facts["dtype"])
+            records += _mesh_evidence.mesh_records(config, ranks, self.facts["dtype"])
             records += _replay.replay_records(self.setup, config, ranks, batches)
             promise = caps.get(_promise_id(self.runs, config))
             # A model whose modules issue collectives (SyncBatchNorm) promises something else
@@ -501,7 +504,7 @@ class _Session:
             ranks = [self.captures(run_id, r, self.steps if finite is None else finite)
                      for r in range(config.world_size)]
             if variant == "twin":
-                out += _twin.twin_records(config.label, ranks)
+                out += _twin.twin_records(config.label, ranks, getattr(config, "twin_partner", None))
             else:
                 out += _float64_records(self.setup, config, ranks[0], caps)
         return out
@@ -536,6 +539,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
         raise ValueError(f"progress must be True, False or a callable (config, step, steps), got {progress!r}")
     _launcher.check_timeout(timeout)
     facts = checked_setup(setup, steps, {c.label: c.pieces for c in configs}, timeout)
+    _meshes.check_plans(setup, configs)
     steps = facts["steps"]
     _data.check_rank_batches(setup, steps, configs)
     runs = reference_runs(configs, promises=not facts["random"])

@@ -69,9 +69,19 @@ class Configuration:
         return None, None
 
     @property
+    def shares(self) -> int:
+        """How many distinct shares each global batch is cut into: one per rank, unless ranks share data
+        (tensor-parallel ranks of one data-parallel coordinate train the same share)."""
+        return self.world_size
+
+    def share_of(self, rank: int, world: int) -> int:
+        """Which of the :attr:`shares` rank ``rank`` of ``world`` trains."""
+        return rank
+
+    @property
     def pieces(self) -> int:
-        """Equal pieces of each global batch: W ranks × k micro-batches."""
-        return self.world_size * self.k
+        """Equal pieces of each global batch: the shares × k micro-batches."""
+        return self.shares * self.k
 
     @property
     def label(self) -> str:

@@ -24,6 +24,7 @@ import dataclasses
 import math
 from typing import Callable
 
+from ddplab.compare import mesh_evidence as _mesh
 from ddplab.compare import referee as _referee
 from ddplab.verdict import Finding
 
@@ -555,6 +556,11 @@ def _own_evidence_text(ctx: Context) -> str:
     collectives = ctx.findings.get("collectives")
     if collectives is not None and collectives.holds:
         parts.append("every collective equals its emulation bit for bit")
+    replicas, precision = ctx.findings.get("mesh_replicas"), ctx.findings.get("mesh_precision")
+    if replicas is not None and replicas.holds:
+        parts.append("what each mesh axis replicates is bitwise equal along it")
+    if precision is not None and precision.holds:
+        parts.append("every reduction on every axis runs in the dtype the policy declares")
     return ("; " + " and ".join(parts)) if parts else ""
 
 
@@ -732,12 +738,16 @@ def read_band(ctx: Context, dev) -> Finding:
 # --------------------------------------------------------------------------- the registry
 
 
+_MESH = {name: Evidence(name, read, proves=proves, verdicts=verdicts)
+         for name, read, proves, verdicts in _mesh.SOURCES}
+
 EVIDENCE: tuple[Evidence, ...] = (
     Evidence("finite", _read_finite, proves=_proves_finite, verdicts=(
         ("bug", "a gradient or parameter of the configuration turned NaN or Inf at a step where the "
                 "single-process reference stays finite: the first step, rank and parameter (a reference "
                 "that turns non-finite too means the data or model produce it; either way the steps "
                 "before are judged)"),)),
+    _MESH["mesh_replicas"],
     Evidence("replicas", _read_replicas, proves=_proves_replicas, verdicts=(
         ("bug", "after a synchronized step two ranks hold gradients or parameters that differ in any bit: "
                 "replicas must agree, no band makes that rounding (the replay then names the rank and phase "
@@ -752,6 +762,8 @@ EVIDENCE: tuple[Evidence, ...] = (
                 "(a sampler's padding: `duplicated_contribution`) or less often (`missing_contribution`) "
                 "than that step's global batch holds it, by the samples' bytes: the step and the samples, "
                 "named by where they first appear in the global batches (`step 0 sample 3`)"),)),
+    _MESH["mesh_precision"],
+    _MESH["partial_sums"],
     Evidence("replay", _read_replay, proves=_proves_replay, clears=_clears_replay, verdicts=(
         ("bug", "some rank's local gradient, reduced bucket or update differs from ddplab's specification "
                 "replay of that rank's step, by any amount (one ulp in one element counts): the first step, "

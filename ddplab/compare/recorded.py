@@ -45,8 +45,8 @@ def declared_reduce_dtype(config: Configuration, model_dtype: torch.dtype) -> st
     (a Custom step, a comm hook of the user's own)."""
     from ddplab.compare.comparison import _compression
 
-    if isinstance(config, Custom):
-        return None
+    if isinstance(config, Custom) or hasattr(config, "declared_precision"):
+        return None  # a mesh declares a dtype per kind of reduction, checked per axis (compare.mesh_evidence)
     if isinstance(config, FSDP2):
         return _dtype_name(config.dtypes()[1] or model_dtype)
     if isinstance(config, DDP) and config.comm_hook is not None:
@@ -67,6 +67,7 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
 
     declared = declared_reduce_dtype(config, model_dtype)
     labels = dict(config=config.label)
+    axis_of = getattr(config, "axis_of", None)  # a mesh's collectives are named by the axis they span
     out: list[dict] = []
     for step in range(min(len(r) for r in ranks)):
         caps = [r[step] for r in ranks]
@@ -75,7 +76,8 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
             continue
         result = verify(recs)
         # Collectives issued before the first step (DDP's broadcast of the weights) belong to step 0.
-        out += [dict(row, step=step if row.get("step") is None else row["step"], **labels) for row in result.records]
+        out += [dict(row, step=step if row.get("step") is None else row["step"], **labels,
+                     **({"axis": axis_of(row.get("group", "?"))} if axis_of else {})) for row in result.records]
         seen = {(state["op"], state["dtype"]) for rank in recs for state in
                 ({"op": r.op, "dtype": r.dtype} for r in rank if getattr(r, "op", None) in REDUCTIONS)}
         for op, dtype in sorted(seen, key=str):

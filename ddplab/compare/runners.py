@@ -186,7 +186,8 @@ class Capture:
     ``named`` is the ``(name, parameter)`` list to capture (the names of the
     unwrapped model); ``buckets``, a :class:`BucketCapture` whose buckets go
     into the step's file too; ``module``, the unwrapped model, whose buffers
-    and forward digests (:class:`ForwardDigests`) are kept for the replay.
+    and forward digests (:class:`ForwardDigests`) are kept for the replay;
+    ``keep()``, whatever else the step's file holds (a mesh's local shards).
     :meth:`begin` notes the state before a step (RNG, buffers, threads),
     :meth:`finish` writes the step's file and emits its records.
     """
@@ -194,7 +195,7 @@ class Capture:
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
                  label: str, rank: int, buckets: BucketCapture | None = None,
                  module: torch.nn.Module | None = None, any_optimizer: bool = False,
-                 recorder: Any = None):
+                 recorder: Any = None, keep: Callable[[], dict] | None = None):
         self.named = named
         self.optimizer = optimizer
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
@@ -210,6 +211,7 @@ class Capture:
         self.any_optimizer = any_optimizer
         self.handles: list = []
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
+        self.keep = keep
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
         # Never traced: a compiled optimizer step runs them eagerly, as a graph break.
         before, after = torch._dynamo.disable(self._before), torch._dynamo.disable(self._after)
@@ -277,6 +279,8 @@ class Capture:
             data["forward_dtypes"] = sorted(self.digests.dtypes)
         if self.recorder is not None:
             data["collectives"] = [collective_state(r) for r in self.recorder.take()]
+        if self.keep is not None:
+            data.update(self.keep())
         path = capture_path(self.root, self.run_id, step, self.rank)
         torch.save(data, path + ".tmp")
         os.replace(path + ".tmp", path)  # a capture that exists is complete
@@ -367,7 +371,8 @@ def reference_runs(configurations: list[Configuration], *, promises: bool = True
             continue
         seen.add(precision)
         runs.append(precision_reference(*precision, run_id=f"ref{len(runs)}", shares=shares))
-    shapes = dict.fromkeys((c.world_size, c.k) for c in configurations if not isinstance(c, Custom))
+    shapes = dict.fromkeys((c.shares, c.k) for c in configurations
+                           if not isinstance(c, Custom) and (c.shares, c.k) != (1, 1))
     if promises:
         for world, k in shapes:
             label = promise_label(world, k)
@@ -462,6 +467,7 @@ class _Trainer:
     backward: Callable
     no_sync: Callable[[], contextlib.AbstractContextManager]
     buckets: BucketCapture | None = None
+    keep: Callable[[], dict] | None = None   # more of each step for its capture file (a mesh's local shards)
 
 
 def _ddp(raw: torch.nn.Module, setup: Setup, config: DDP) -> _Trainer:
@@ -639,16 +645,18 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
                       rank=rank, buckets=buckets, module=raw, any_optimizer=trainer is None,
-                      recorder=recorder)
+                      recorder=recorder, keep=trainer.keep if trainer is not None else None)
     kept: dict = {}  # a Custom step's own state across its steps (ctx.state)
+    # Ranks that share a data-parallel coordinate (a mesh's tensor-parallel group) train the same share.
+    shares, share = config.shares, config.share_of(rank, world)
     for step, batch in enumerate(batches):
         if variant == "twin":
-            # Every rank trains rank 0's share; the global batch becomes W copies of it.
-            micro = rank_micro_batches(setup, batch, step, 0, world, config.k, dtype)
-            batch = tuple(torch.cat([t] * world) for t in (torch.cat(parts) for parts in zip(*micro)))
+            # Every rank trains the first share; the global batch becomes copies of it.
+            micro = rank_micro_batches(setup, batch, step, 0, shares, config.k, dtype)
+            batch = tuple(torch.cat([t] * shares) for t in (torch.cat(parts) for parts in zip(*micro)))
             _seed_alike(step)
         else:
-            micro = rank_micro_batches(setup, batch, step, rank, world, config.k, dtype)
+            micro = rank_micro_batches(setup, batch, step, share, shares, config.k, dtype)
         capture.begin(step)
         if trainer is None:
             shard = tuple(torch.cat(parts) for parts in zip(*micro))

@@ -7,18 +7,24 @@ of rank 0's share and every rank's RNG seeded alike at every step
 (:data:`ddplab.compare.runners.VARIANTS`). Then every rank's forward
 outputs, its inputs to every collective, its gradients at
 ``optimizer.step()`` and its parameters after it must be bitwise equal to
-rank 0's (for collectives: the inputs of every all-reduce and reduce-scatter). A difference of any size -- one ulp -- is computation that depends
-on the rank: a bug, named at the first (step, rank, what, module) where it
-starts. This needs no specification of what the step promises, so it holds
-for Custom steps, SyncBatchNorm models, FSDP2's backward and unknown hooks.
+rank 0's (for collectives: the inputs of every reduction). A difference of
+any size -- one ulp -- is computation that depends on the rank: a bug,
+named at the first (step, rank, what, module) where it starts. This needs
+no specification of what the step promises, so it holds for Custom steps,
+SyncBatchNorm models, FSDP2's backward and unknown hooks. On a device mesh
+only the data-parallel axes are symmetric: each rank is compared with its
+*partner*, the rank with the same tensor-parallel coordinates (and, for a
+reduction of a shard, the same shard).
 
-Records: ``twin_differing`` per step, rank (1..W-1), quantity (``forward``,
+Records: ``twin_differing`` per step, rank, quantity (``forward``,
 ``collective``, ``grad``, ``param``) and parameter or collective, value the
 number of differing elements (calls, for forward outputs), with ``max_ulp``
-where tensors differ; ``twin_module`` at the first forward difference.
+where tensors differ and ``partner`` the rank compared with; ``twin_module``
+at the first forward difference.
 """
 from __future__ import annotations
 
+from ddplab.collectives import REDUCTIONS
 from ddplab.records import record
 
 __all__ = ["twin_records", "first_asymmetry", "QUANTITIES"]
@@ -48,20 +54,31 @@ def _tensors(out: list, labels: dict, step: int, rank: int, quantity: str, mine:
                           param=name, **labels, **extra))
 
 
-def _collectives(out: list, labels: dict, step: int, rank: int, mine: list, first: list) -> None:
-    """The inputs of the rank's recorded collectives, in issue order, against rank 0's (by digest)."""
+def _reductions(collectives: list) -> list:
     # Only reductions: their inputs are each rank's whole contribution. An all-gather's input is the
     # rank's own shard and a broadcast's the receiving buffer, different by design.
-    mine = [c for c in mine if c.get("type") == "CollectiveRecord" and c.get("op") in ("allreduce", "reduce_scatter")]
-    first = [c for c in first if c.get("type") == "CollectiveRecord" and c.get("op") in ("allreduce", "reduce_scatter")]
-    for index, (a, b) in enumerate(zip(mine, first)):
-        differing = sum(x != y for x, y in zip(a["input_digests"], b["input_digests"]))
+    return [c for c in collectives if c.get("type") == "CollectiveRecord" and c.get("op") in REDUCTIONS]
+
+
+def _collectives(out: list, labels: dict, step: int, rank: int, caps: list, partner) -> None:
+    """The inputs of the rank's recorded reductions, in issue order, against its partner's (by digest)."""
+    mine = _reductions(caps[rank].get("collectives", []))
+    for index, a in enumerate(mine):
+        other = partner(rank, a.get("group_ranks"))
+        if other == rank:
+            continue
+        theirs = _reductions(caps[other].get("collectives", []))
+        if index >= len(theirs):
+            break
+        differing = sum(x != y for x, y in zip(a["input_digests"], theirs[index]["input_digests"]))
         out.append(record("twin_differing", differing, step=step, rank=rank, quantity="collective",
                           param=f"#{index} {a['op']}" + (f" (bucket {a['bucket']})" if a.get("bucket") is not None
-                                                          else ""), **labels))
-    if len(mine) != len(first):
-        out.append(record("twin_differing", abs(len(mine) - len(first)), step=step, rank=rank,
-                          quantity="collective", param="(number of collectives)", **labels))
+                                                          else ""), partner=other, **labels))
+    other = partner(rank, None)
+    count = len(_reductions(caps[other].get("collectives", [])))
+    if other != rank and len(mine) != count:
+        out.append(record("twin_differing", abs(len(mine) - count), step=step, rank=rank,
+                          quantity="collective", param="(number of collectives)", partner=other, **labels))
 
 
 def _bucket_inputs(capture: dict) -> dict:
@@ -71,23 +88,35 @@ def _bucket_inputs(capture: dict) -> dict:
             for b in capture.get("buckets", [])}
 
 
-def twin_records(label: str, ranks: list[list[dict]]) -> list[dict]:
-    """Compare every rank of the twin with rank 0, step by step.
+def _rank_zero(rank: int, group=None) -> int:
+    return 0
+
+
+def twin_records(label: str, ranks: list[list[dict]], partner=None) -> list[dict]:
+    """Compare every rank of the twin with its partner (rank 0 unless ``partner`` says), step by step.
 
     ``ranks[r][step]`` is rank r's capture of the twin (:class:`ddplab.compare.runners.Capture`),
     with its recorded collectives (``collectives``: their input digests, in issue order).
+    ``partner(rank, group)`` names the rank whose computation ``rank``'s must equal: for a
+    collective's inputs (``group``: its ranks) or, with ``group`` None, for forward outputs,
+    gradients and parameters -- on a mesh, tensor-parallel ranks compute different shards by design
+    (:meth:`ddplab.compare.meshes.MeshConfiguration.twin_partner`).
     """
-    labels = dict(config=label)
+    partner = partner or _rank_zero
     out: list[dict] = []
     steps = min(len(r) for r in ranks)
     for step in range(steps):
-        first = ranks[0][step]
-        for rank in range(1, len(ranks)):
-            mine = ranks[rank][step]
+        caps = [r[step] for r in ranks]
+        for rank in range(len(ranks)):
+            mine, other = caps[rank], partner(rank, None)
+            labels = dict(config=label, partner=other)
+            if caps[other].get("collectives"):
+                _collectives(out, dict(config=label), step, rank, caps, partner)
+            if other == rank:
+                continue
+            first = caps[other]
             _forward(out, labels, step, rank, mine.get("forward", []), first.get("forward", []))
-            if first.get("collectives"):
-                _collectives(out, labels, step, rank, mine.get("collectives", []), first["collectives"])
-            elif "buckets" in first:  # DDP's bucket inputs, kept around each of its reductions
+            if not first.get("collectives") and "buckets" in first:  # DDP's bucket inputs, kept around its reduction
                 _tensors(out, labels, step, rank, "collective", _bucket_inputs(mine), _bucket_inputs(first))
             _tensors(out, labels, step, rank, "grad", mine["grads"], first["grads"])
             _tensors(out, labels, step, rank, "param", mine["params"], first["params"])
@@ -106,7 +135,9 @@ def first_asymmetry(frame, config: str) -> dict | None:
     modules = frame[(frame["metric"] == "twin_module") & (frame["config"] == config)]
     module = str(modules.sort_values(["step", "rank"]).iloc[0]["module"]) if not modules.empty else ""
     max_ulp = row.get("max_ulp") if hasattr(row, "get") else None
+    partner = row.get("partner") if hasattr(row, "get") else None
     return dict(step=int(row["step"]), rank=int(row["rank"]), quantity=str(row["quantity"]),
+                partner=int(partner) if partner is not None and partner == partner else 0,
                 param=str(row["param"]), differing=int(row["value"]),
                 max_ulp=float(max_ulp) if max_ulp is not None and max_ulp == max_ulp else float("nan"),
                 module=module if row["quantity"] == "forward" else "")

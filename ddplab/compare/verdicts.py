@@ -15,6 +15,7 @@ import dataclasses
 import math
 
 from ddplab.compare import evidence as _evidence
+from ddplab.compare import mesh_evidence as _mesh_evidence
 from ddplab.compare import referee as _referee
 from ddplab.compare.evidence import EVIDENCE, Context, decide, label, pieces_text, read_band, rows
 from ddplab.formatting import render
@@ -157,6 +158,10 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     values.update(referee=decision.evidence, evidence=decision.evidence, finding=decision.finding or "none",
                   first_divergence=-1 if first is None else first)
     summary = decision.summary
+    if decision.classification == "bug":  # on a device mesh: the axis, and the coordinate where it starts
+        placed = _mesh_evidence.place(values, ctx)
+        values.update(placed)
+        summary += "{place_text}" if placed else ""
     finite = ctx.findings.get("finite")
     if finite is not None and decision.evidence != "finite" and finite.values["nonfinite_step"] < 0:
         values.update(finite.values)

@@ -58,7 +58,7 @@ class YourTraining(Case):
                   kind="list[str]", check=lambda names: next(filter(None, map(configuration_entry, names)), None)),
         Parameter("world_size", 2, "ranks of the built-in configurations", kind="int", minimum=1, maximum=8,
                   role="world_size"),
-        Parameter("k", 4, "micro-batches per rank of 'accumulate'", kind="int", minimum=2, maximum=64),
+        Parameter("k", 4, "micro-batches per rank of 'accumulate', 'hsdp' and 'hsdp_bf16'", kind="int", minimum=2, maximum=64),
         Parameter("steps", 0, "steps to compare (0: every batch of the setup)", kind="int", minimum=0),
         Parameter("timeout", 300.0, "seconds a launch may take before it counts as hung", kind="float",
                   minimum=1),

@@ -19,9 +19,13 @@ __all__ = ["BUILTIN_CONFIGURATIONS", "DEFAULT_SETUP", "resolve", "resolve_setup"
 #: Configuration names the ``configurations`` parameter accepts besides ``module:function``:
 #: ``ddp_fp16_compress`` / ``ddp_bf16_compress`` are DDP with torch's compression hook (on gloo,
 #: ddplab's stand-in of the same math), ``ddp_sync_batchnorm`` DDP with the setup's BatchNorm
-#: layers converted to ddplab's SyncBatchNorm.
+#: layers converted to ddplab's SyncBatchNorm. The mesh ones lay out their own ranks, whatever
+#: ``world_size`` says: ``hsdp`` / ``hsdp_bf16`` HSDP on 2 x 2 ranks (k micro-batches under
+#: ``set_requires_all_reduce(False)``; bf16: ``param_dtype=bfloat16``), ``tp`` tensor parallel on 2
+#: ranks and ``fsdp2_tp`` / ``fsdp2_tp_bf16`` FSDP2 over it on dp=2 x tp=2, with the default plan.
 BUILTIN_CONFIGURATIONS = ("ddp", "accumulate", "fabric", "fsdp2", "fsdp2_bf16", "ddp_fp16_compress",
-                          "ddp_bf16_compress", "ddp_sync_batchnorm")
+                          "ddp_bf16_compress", "ddp_sync_batchnorm", "hsdp", "hsdp_bf16", "tp", "fsdp2_tp",
+                          "fsdp2_tp_bf16")
 #: The default setup: the shipped digits example, correct.
 DEFAULT_SETUP = "ddplab.compare.examples:digits_setup"
 
@@ -60,6 +64,7 @@ def resolve_setup(path: str):
 def resolve_configurations(params: dict) -> list:
     """The configurations parameter ``configurations`` names, built for ``world_size`` and ``k``."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     world, k = params["world_size"], params["k"]
     built = {"ddp": lambda: compare.DDP(world), "accumulate": lambda: compare.Accumulate(world, k=k),
@@ -67,7 +72,10 @@ def resolve_configurations(params: dict) -> list:
              "fsdp2_bf16": lambda: compare.FSDP2(world, param_dtype=torch.bfloat16),
              "ddp_fp16_compress": lambda: compare.DDP(world, comm_hook=default_hooks.fp16_compress_hook),
              "ddp_bf16_compress": lambda: compare.DDP(world, comm_hook=default_hooks.bf16_compress_hook),
-             "ddp_sync_batchnorm": lambda: compare.DDP(world, sync_batchnorm=True)}
+             "ddp_sync_batchnorm": lambda: compare.DDP(world, sync_batchnorm=True),
+             "hsdp": lambda: compare.HSDP(k=k), "tp": lambda: compare.TP(2), "fsdp2_tp": lambda: compare.FSDP2TP(),
+             "hsdp_bf16": lambda: compare.HSDP(k=k, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
+             "fsdp2_tp_bf16": lambda: compare.FSDP2TP(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))}
     out = []
     for name in params["configurations"]:
         if name in built:

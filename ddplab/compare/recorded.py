@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import torch
 
+# The collectives that reduce (the ones a reduce dtype governs): every form the recorder names,
+# FSDP2's ``reduce_scatter_single`` included.
+from ddplab.collectives.ops import REDUCTIONS
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom
 from ddplab.records import record
 
 __all__ = ["REDUCTIONS", "step_collectives", "collective_records", "declared_reduce_dtype", "reduction_dtypes"]
 
-#: The collectives that reduce gradients (the ones a reduce dtype governs).
-REDUCTIONS = ("allreduce", "reduce_scatter")
 
 
 def step_collectives(captures: list[dict]) -> list[list]:

@@ -20,8 +20,8 @@ the float64 run is judged at that precision: the tolerance becomes
 says so. (autocast leaves float64 tensors alone, so an autocast step runs
 wholly in float64 here.)
 
-Records: ``{name}_distance`` = ‖run − truth‖ / max(‖truth‖, 1e-5 ‖truth of the
-whole model‖) per step, quantity and parameter (label ``tolerance``); at the first step beyond the tolerance,
+Records: ``{name}_distance`` = ‖run − truth‖ / max(‖truth‖, max(1e-5, tolerance) ‖truth of
+the whole model‖) per step, quantity and parameter (label ``tolerance``); at the first step beyond the tolerance,
 ``{name}_difference`` with the kind the piece fit names (``factor``,
 ``missing_contribution``, ``other``).
 """
@@ -99,7 +99,9 @@ def distance_records(name: str, setup: Setup, config: Configuration, run: list[d
                     b = torch.cat([p[n].reshape(-1).double() for n in names])
                 else:
                     a, b = t[param].reshape(-1).double(), p[param].reshape(-1).double()
-                d = _distance(a, b, NEGLIGIBLE * whole)
+                # A run judged at a lower precision leaves a zero-gradient parameter that precision's
+                # noise, not float64's: its floor grows with the tolerance.
+                d = _distance(a, b, max(NEGLIGIBLE, tolerance) * whole)
                 out.append(record(f"{name}_distance", d, step=step, quantity=quantity, param=param,
                                   tolerance=tolerance, **labels))
                 worst = max(worst, d)

@@ -54,6 +54,11 @@ def label(row, key, default=None):
     return value
 
 
+def _pieces(missing) -> list[int]:
+    """The piece indices of a ``missing`` label ("0,3"; empty or absent: none)."""
+    return [int(j) for j in str(missing).split(",")] if missing not in (None, "") else []
+
+
 def pieces_text(missing: list[int], world: int, k: int) -> str:
     """Pieces ``r*k + m`` in words: "rank 0's share", "micro-batches 0, 1 of every rank", ..."""
     pairs = [(j // k, j % k) for j in missing]
@@ -416,7 +421,7 @@ def _read_semantic(ctx: Context) -> Finding | None:
         missing = label(d, "missing", "")
         values.update(step=int(d["step"]), kind=str(d["kind"]), factor=float(label(d, "factor", math.nan)),
                       factor_name=str(label(d, "factor_name", "") or ""),
-                      missing=[int(j) for j in str(missing).split(",")] if missing not in (None, "") else [])
+                      missing=_pieces(missing))
     return Finding(key="semantic",
                    claim=("In float64, what the configuration promises (each rank's share, the mean over "
                           "ranks) is one process's computation"),
@@ -525,7 +530,7 @@ def _read_float64(ctx: Context) -> Finding | None:
         values.update(float64_step=int(d["step"]), float64_kind=str(d["kind"]),
                       float64_factor=float(label(d, "factor", math.nan)),
                       float64_factor_name=str(label(d, "factor_name", "") or ""),
-                      float64_missing=[int(j) for j in str(missing).split(",")] if missing not in (None, "") else [])
+                      float64_missing=_pieces(missing))
     return Finding(key="float64", claim=claim, holds=diff.empty,
                    template=("largest distance of the float64 run from the truth {max_float64_distance} "
                              "(tolerance {float64_tolerance}, judged at {judged_at})"),
@@ -655,7 +660,7 @@ def _read_localization(ctx: Context) -> Finding | None:
     values["piece_weights"] = [round(float(v), 6) for v in weights["value"]]
     values["pieces"] = len(values["piece_weights"])
     missing = label(row, "missing")
-    values["missing"] = [int(j) for j in str(missing).split(",")] if missing not in (None, "") else []
+    values["missing"] = _pieces(missing)
     values["missing_pieces"] = [[j // k, j % k] for j in values["missing"]]
     values["missing_text"] = pieces_text(values["missing"], world, k) if values["missing"] else "none"
     desync = rows(frame, "desync_deviation", config)

@@ -19,6 +19,8 @@ every rank must hold, bit for bit, what the owner of each parameter holds
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = ["local_optimizer", "capture_state", "restore_state", "owned", "broadcast_records"]
@@ -27,11 +29,11 @@ __all__ = ["local_optimizer", "capture_state", "restore_state", "owned", "broadc
 def local_optimizer(optimizer) -> torch.optim.Optimizer | None:
     """The optimizer holding this rank's shard of ``optimizer``'s state (ZeRO's ``optim``), or None
     when ``optimizer`` holds all of its state itself."""
-    try:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-    except ImportError:  # torch without distributed
-        return None
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    # A ZeroRedundancyOptimizer exists only once its module was imported. Importing it here would cost
+    # every rank of every launch a quarter second (torch.distributed.optim compiles TorchScript).
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero) else None
 
 
 def _clone(value):

@@ -29,7 +29,9 @@ __all__ = ["FORKSERVER_PRELOAD", "SERVER_SETUP", "STOP_GRACE", "context", "stop_
 #: Modules the forkserver imports once, so that every rank starts warm. DDP's
 #: constructor and torch.optim import torch._dynamo lazily: about 1 s per rank
 #: on an idle core (up to 7 s under load) on every launch, unless preloaded.
-FORKSERVER_PRELOAD = ["ddplab.launcher", "torch._dynamo", "torch.nn.parallel", "torch.optim"]
+#: ddplab.compare's workers (with numba, through the collectives' emulation)
+#: cost each rank of a comparison's five launches another quarter second.
+FORKSERVER_PRELOAD = ["ddplab.launcher", "torch._dynamo", "torch.nn.parallel", "torch.optim", "ddplab.compare"]
 #: Imported first in the forkserver: makes it a subreaper (:mod:`ddplab._rank_server`).
 SERVER_SETUP = "ddplab._rank_server"
 #: Grace given to a rank between SIGTERM and SIGKILL when stopping a launch.

@@ -119,8 +119,23 @@ def run_rank(target: str, out_dir: str | os.PathLike, overrides: dict | None = N
         _write_run_json(out_dir, {"status": "complete", "target": name, "world_size": ctx.world_size,
                                   "backend": backend, "records": len(merged)})
     dist.barrier()
+    _leave_together(ctx.rank, ctx.world_size)
     teardown_rank()
     return 0
+
+
+def _leave_together(rank: int, world_size: int) -> None:
+    """Return once every rank has left its last collective, agreed through the store, not gloo.
+
+    A rank that closes its gloo connections while a peer is still finishing the barrier makes
+    that peer's gloo thread throw: the process aborts (SIGABRT, "terminate called without an
+    active exception") after the work was done and saved.
+    """
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"ddplab/left/{rank}", "1")
+    store.wait([f"ddplab/left/{r}" for r in range(world_size)])
 
 
 def load_run(path: str | os.PathLike, *, allow_incomplete: bool = False):

@@ -69,5 +69,6 @@ def test_installed_wheel_runs_under_torchrun(installed):
                           "-p", "out_features", "16", "-p", "lanes", "1,8"],
                          cwd=tmp, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert (tmp / "run" / "run.json").exists()
+    saved = (tmp / "run" / "run.json").exists()
+    assert out.returncode == 0, f"run.json written: {saved}\n{out.stdout}{out.stderr}"
+    assert saved

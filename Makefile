@@ -14,6 +14,9 @@ STAMP  := $(VENV)/.ddplab-installed
 # resolving the package's range to a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest workers: most tests wait on ranks, kernels and Chromium, so two workers keep both
+# cores busy (whole test files per worker, so a module's fixtures run once). 0: one process.
+TEST_JOBS ?= 2
 REPORT_ARGS ?=
 # Notebooks `make report` runs at once: each case keeps about one core busy.
 JOBS ?= 2
@@ -46,11 +49,11 @@ report: $(STAMP)
 # The default suite leaves out tests marked slow (each case still runs one
 # quick notebook end to end); test-all runs everything.
 test: $(STAMP) browser
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -m "not slow" -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
 test-all: $(STAMP) browser
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; fi; exit $$rc
 
 # The lab's defaults (lab/settings/overrides.json, read as JupyterLab's application

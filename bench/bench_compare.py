@@ -130,7 +130,7 @@ def false_alarms(seeds: int, steps: int, only: str | None = None) -> None:
 
 
 def _named(verdict, expected) -> bool:
-    if verdict.kind != expected.verdict or verdict.finding != expected.finding:
+    if verdict.kind != expected.verdict or verdict.difference != expected.finding:
         return False
     values = verdict.finding_values(expected.finding) if expected.finding else {}
     if expected.factor is not None and abs(values["factor"] / expected.factor - 1) > 1e-3:
@@ -151,7 +151,7 @@ def planted(seeds: int, steps: int) -> None:
                 if _named(verdict, expected):
                     named += 1
                 else:
-                    misses.append((seed, example.name, verdict.kind, verdict.finding, verdict.headline))
+                    misses.append((seed, example.name, verdict.kind, verdict.difference, verdict.headline))
     print(f"planted bugs named with the right kind: {named} of {total} ({100 * named / total:.0f}%), "
           f"{seeds} seeds × {len(examples.PLANTED)} bugs, load average {load_average()[0]:.2f}   (target 100%)")
     for miss in misses:

@@ -152,7 +152,7 @@ def test_compiled_after_ddp_or_in_place_reads_exact_or_rounding(warm_launcher):
     assert result.verdict(configs[0]).kind == "exact", result.verdict(configs[0]).headline
     custom = result.verdict(configs[1])
     assert (custom.kind, custom.evidence) == ("rounding", "float64"), custom.headline
-    assert custom._finding("twin").holds
+    assert custom.finding("twin").holds
     in_place = dataclasses.replace(setup, model=_compiled_in_place)
     v = compare.run(in_place, compare.DDP(2), progress=False).verdict("ddp W=2")
     assert (v.kind, v.evidence) == ("exact", "replay"), v.headline

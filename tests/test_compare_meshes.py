@@ -145,8 +145,8 @@ def test_hsdp_with_micro_batches_reads_rounding_and_bf16_partial_sums_a_bug_on_t
     hsdp, _, printed = readme_meshes
     correct, partial = _verdicts(hsdp).values()
     assert correct.kind == "rounding", correct.headline
-    assert correct._finding("mesh_replicas").holds and correct._finding("mesh_precision").holds
-    assert correct._finding("partial_sums").holds and correct._finding("twin").holds
+    assert correct.finding("mesh_replicas").holds and correct.finding("mesh_precision").holds
+    assert correct.finding("partial_sums").holds and correct.finding("twin").holds
     assert (partial.kind, partial.evidence, partial.values["axis"]) == ("bug", "partial_sums", "replicate")
     assert (partial.values["partial_step"], partial.values["partial_dtype"],
             partial.values["partial_accumulated_in"]) == (0, "bfloat16", "float32")
@@ -168,7 +168,7 @@ def test_fsdp2_over_tp_names_the_tp_all_reduce_that_ignores_reduce_dtype_and_the
                     & (records["dtype"] != records["declared"])]
     assert set(wrong["param"]) == {f"{block}.norm.{p}" for block in ("attn", "ffn") for p in ("weight", "bias")}
     assert set(wrong["axis"]) == {"tp"} and set(wrong["kind"]) == {"gradient"}
-    assert precision._finding("mesh_replicas").holds  # all-reduced in bf16, but alike on every rank
+    assert precision.finding("mesh_replicas").holds  # all-reduced in bf16, but alike on every rank
     assert (unsynchronized.kind, unsynchronized.evidence, unsynchronized.values["axis"],
             unsynchronized.values["first_param"], unsynchronized.values["replica_step"],
             unsynchronized.values["first_coordinate"]) == ("bug", "mesh_replicas", "tp", "attn.norm.weight", 0,
@@ -214,7 +214,7 @@ def test_a_loss_divided_by_local_token_counts_is_a_bug_along_the_data_axis(local
     config = example.configurations[0]
     v = result.verdict(config)
     assert (v.kind, v.evidence, v.values["axis"]) == ("bug", "float64", "dp"), v.headline
-    assert v._finding("twin").holds  # every data-parallel rank divides alike: only float64 sees it
+    assert v.finding("twin").holds  # every data-parallel rank divides alike: only float64 sees it
 
 
 # --------------------------------------------------------------------------- slow: seeds and sizes

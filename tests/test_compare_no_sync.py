@@ -60,6 +60,6 @@ def test_the_twin_compares_every_reduction_of_a_custom_accumulation(warm_launche
     """The fault enters the first all-reduce only; the last one's inputs agree again across ranks."""
     config = compare.Custom(2, k=2, train_step=_rank_one_scales_its_first_micro_batch)
     v = compare.run(examples.digits_setup(0, steps=2), config, progress=False).verdict(config)
-    assert (v.kind, v.evidence, v.finding) == ("bug", "twin", "asymmetry"), v.headline
+    assert (v.kind, v.evidence, v.difference) == ("bug", "twin", "asymmetry"), v.headline
     assert (v.values["twin_step"], v.values["twin_rank"], v.values["twin_quantity"], v.values["twin_param"]) == \
-        (0, 1, "collective", "bucket 0")
+        (0, 1, "collective", "#0 allreduce (bucket 0)")

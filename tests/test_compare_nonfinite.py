@@ -33,6 +33,6 @@ def test_a_nan_in_the_data_is_named_and_the_steps_before_it_judged(warm_launcher
     assert (finite["nonfinite_step"], finite["reference_step"]) == (2, 2)
     assert ddp.finding_values("within_band")["steps_compared"] == 2
     planted = result.verdict("nan_on_rank_1_at_step_1 W=2")
-    assert (planted.kind, planted.evidence, planted.finding) == ("bug", "finite", "nonfinite")
+    assert (planted.kind, planted.evidence, planted.difference) == ("bug", "finite", "nonfinite")
     # the data's NaN at step 2 comes later: the planted one at step 1 is first
     assert planted.values["nonfinite_step"] == 1 and planted.values["reference_step"] == 2

@@ -33,11 +33,11 @@ def test_a_one_ulp_fault_on_one_rank_is_a_bug_at_its_step_and_rank(one_ulp_fault
     plants, result = one_ulp_faults
     plant = next(p for p in plants if p.kind == kind)
     v = result.verdict(plant.config)
-    assert (v.kind, v.evidence, v.finding) == ("bug", "twin", "asymmetry"), v.headline
+    assert (v.kind, v.evidence, v.difference) == ("bug", "twin", "asymmetry"), v.headline
     assert (v.values["twin_step"], v.values["twin_rank"]) == (plant.step, plant.rank)
     # It enters before DDP's all-reduce: the rank's bucket input differs, the replicas do not.
     assert v.values["twin_quantity"] == "collective"
-    assert v._finding("ranks_agree").holds
+    assert v.finding("ranks_agree").holds
 
 
 def test_a_learning_rate_one_ulp_off_on_one_rank_pulls_the_replicas_apart(one_ulp_faults):
@@ -45,15 +45,15 @@ def test_a_learning_rate_one_ulp_off_on_one_rank_pulls_the_replicas_apart(one_ul
     v = result.verdict(next(p for p in plants if p.kind == "optimizer").config)
     assert (v.kind, v.evidence) == ("bug", "replicas")
     assert (v.values["desync_step"], v.values["desync_rank"]) == (0, 1)
-    assert v._finding("twin").holds is False  # the twin sees it too
+    assert v.finding("twin").holds is False  # the twin sees it too
 
 
 @pytest.mark.parametrize("kind, finding", [("every_rank_scale", "semantic"), ("every_rank_factor", "factor")])
 def test_a_fault_every_rank_commits_is_found_by_the_float64_run(one_ulp_faults, kind, finding):
     plants, result = one_ulp_faults
     v = result.verdict(next(p for p in plants if p.kind == kind).config)
-    assert (v.kind, v.evidence, v.finding) == ("bug", "float64", finding), v.headline
-    assert v._finding("twin").holds          # symmetric: the twin cannot see it
+    assert (v.kind, v.evidence, v.difference) == ("bug", "float64", finding), v.headline
+    assert v.finding("twin").holds          # symmetric: the twin cannot see it
     f64 = v.finding_values("float64")
     assert f64["max_float64_distance"] > 1e-7 > f64["float64_tolerance"] == 1e-9
     assert f64["float64_step"] == 0
@@ -79,7 +79,7 @@ def test_correct_custom_steps_read_rounding_earned_by_float64_and_the_twin(corre
         assert v.kind in ("rounding", "exact", "approximation"), (config.label, v.headline)
         if v.kind == "rounding":
             assert v.evidence == "float64", (config.label, v.headline)
-            assert v._finding("twin").holds
+            assert v.finding("twin").holds
 
 
 def test_hand_written_compression_hooks_are_judged_at_the_precision_they_reduced_in(correct_steps):
@@ -89,7 +89,7 @@ def test_hand_written_compression_hooks_are_judged_at_the_precision_they_reduced
         assert (v.kind, v.evidence) == ("rounding", "float64"), v.headline
         assert v.finding_values("float64")["judged_at"] == dtype
         collectives = v.finding_values("collectives")
-        assert v._finding("collectives").holds and dtype in collectives["dtypes"]
+        assert v.finding("collectives").holds and dtype in collectives["dtypes"]
         bands = result.records[(result.records["metric"] == "band") & (result.records["config"] == config.label)]
         assert set(bands["band_run"]) == {f"reference reduce {dtype}"}
 
@@ -98,8 +98,8 @@ def test_a_hook_result_one_ulp_off_the_collective_is_found_by_the_recorded_colle
     config = compare.Custom(2, train_step=examples.plain_step, wrap=faults.wrap_with_ulp_hook)
     v = compare.run(examples.digits_setup(0, steps=STEPS), config, progress=False).verdict(config)
     # Every rank does it alike: the replicas and the twin agree, float64 cannot see an ulp of float32.
-    assert (v.kind, v.evidence, v.finding) == ("bug", "collectives", "collective"), v.headline
-    assert v._finding("ranks_agree").holds
+    assert (v.kind, v.evidence, v.difference) == ("bug", "collectives", "collective"), v.headline
+    assert v.finding("ranks_agree").holds
     assert (v.values["collective_step"], v.values["collective_stage"]) == (0, "comm_hook_result")
     assert v.values["collective_differing"] == 1 and v.values["collective_ulp"] == 1
 

@@ -83,11 +83,11 @@ def test_per_rank_batches_that_do_not_fit_are_refused_before_any_rank_starts():
 def test_the_readme_distributed_sampler_pads_a_duplicate_and_drop_last_reads_exact(warm_launcher):
     namespace = readme_example("DistributedSampler(dataset")
     padded, dropped = namespace["verdicts"][False], namespace["verdicts"][True]
-    assert (padded.kind, padded.evidence, padded.finding, padded.first_divergence) == \
+    assert (padded.kind, padded.evidence, padded.difference, padded.first_divergence) == \
         ("bug", "data", "duplicated_contribution", 2)
     assert padded.values["data_samples"] == ["step 0 sample 0"] and padded.values["data_rank"] == 1
     assert (dropped.kind, dropped.evidence) == ("exact", "replay"), dropped.headline
-    assert dropped._finding("data").holds
+    assert dropped.finding("data").holds
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_every_configuration_trains_the_ranks_own_batches(warm_launcher):
     for config in configs[1:]:
         v = result.verdict(config)
         assert (v.kind, v.evidence) == ("rounding", "float64"), (config.label, v.headline)
-        assert v._finding("twin").holds and v._finding("data").holds
+        assert v.finding("twin").holds and v.finding("data").holds
     broken = compare.run(_setup(functools.partial(_uneven, drop=2)), configs, progress=False)
     for config in configs:
         v = broken.verdict(config)
@@ -119,5 +119,5 @@ def test_every_configuration_trains_the_ranks_own_batches(warm_launcher):
 
 def test_a_sample_no_rank_trains_is_a_missing_contribution_at_its_step(uneven_runs):
     v = uneven_runs[1].verdict("ddp W=2")
-    assert (v.kind, v.evidence, v.finding, v.first_divergence) == ("bug", "data", "missing_contribution", 1)
+    assert (v.kind, v.evidence, v.difference, v.first_divergence) == ("bug", "data", "missing_contribution", 1)
     assert v.values["data_samples"] == ["step 1 sample 30", "step 1 sample 31"]

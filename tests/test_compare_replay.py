@@ -51,7 +51,7 @@ def test_every_planted_fault_is_a_bug_at_its_step_rank_and_phase(kind, magnitude
 def test_ranks_that_disagree_are_a_bug_whatever_the_band(warm_launcher):
     fault = faults.plant("reduced_gradient", 1e-7)
     _, v = _verdict(fault.setup, fault.config)
-    assert (v.kind, v.referee, v.finding) == ("bug", "replicas", "desync")
+    assert (v.kind, v.referee, v.difference) == ("bug", "replicas", "desync")
     assert v.values["desync_step"] == 0 and v.values["desync_rank"] == 1
     assert v.finding_values("ranks_agree")["rank"] == 1
 
@@ -68,7 +68,7 @@ def test_a_forward_fault_names_its_module(warm_launcher):
 def test_a_summed_loss_is_semantic_with_factor_one_over_w(warm_launcher):
     setup = examples.digits_setup(0, steps=2, reduction="sum")
     _, v = _verdict(setup, compare.DDP(2))
-    assert (v.kind, v.referee, v.finding) == ("bug", "semantic", "factor")
+    assert (v.kind, v.referee, v.difference) == ("bug", "semantic", "factor")
     sem = v.finding_values("semantic")
     assert sem["kind"] == "factor" and sem["factor"] == pytest.approx(0.5, rel=1e-6)
     assert v.finding_values("replay")["complete"]  # DDP did exactly what it promises
@@ -103,7 +103,7 @@ def test_a_custom_step_has_no_replay_and_says_why(warm_launcher):
     _, v = _verdict(examples.digits_setup(0, steps=2), config)
     # No replay: rounding is earned by the user's own code in float64 and the symmetric twin instead.
     assert (v.evidence, v.kind) == ("float64", "rounding")
-    assert v._finding("twin").holds and v._finding("float64").holds
+    assert v.finding("twin").holds and v.finding("float64").holds
     assert v.finding_values("float64")["max_float64_distance"] < 1e-13
     assert v.finding_values("replay")["reason"] == replay.unavailable(examples.digits_setup(0), config)
 

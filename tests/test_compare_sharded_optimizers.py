@@ -118,7 +118,7 @@ def test_the_readme_zero_over_adam_reads_exact_shard_by_shard(warm_launcher):
 def test_a_custom_step_may_step_its_own_sharded_optimizer(zero_runs):
     v = zero_runs[1].verdict("_own_zero_adam W=2")
     assert (v.kind, v.evidence) == ("rounding", "float64"), v.headline
-    assert v._finding("twin").holds and v._finding("ranks_agree").holds
+    assert v.finding("twin").holds and v.finding("ranks_agree").holds
 
 
 def test_a_learning_rate_off_on_one_ranks_shard_is_a_bug_in_its_update(warm_launcher):

@@ -40,10 +40,10 @@ def test_a_loss_that_reads_the_process_group_is_noticed():
 def test_the_readme_loss_that_reads_the_world_size_is_a_factor_not_a_module(warm_launcher):
     namespace = readme_example("dist.get_world_size()")
     v = namespace["v"]
-    assert (v.kind, v.evidence, v.finding) == ("bug", "float64", "factor"), v.headline
+    assert (v.kind, v.evidence, v.difference) == ("bug", "float64", "factor"), v.headline
     assert v.values["float64_factor_name"] == "W" and abs(v.values["float64_factor"] - 2.0) < 1e-9
     # The replay ran the loss as the rank did: every phase equal, no module named.
-    replay = v._finding("replay")
+    replay = v.finding("replay")
     assert replay.holds and replay.values["complete"], replay.values
     assert "replay_module" not in v.values and v.values["first_param"] == "(model)"
-    assert v._finding("twin").holds  # every rank scales alike: not a rank-dependent computation
+    assert v.finding("twin").holds  # every rank scales alike: not a rank-dependent computation

@@ -40,7 +40,7 @@ def test_per_rank_batchnorm_is_a_bug_and_sync_batchnorm_rounding(batchnorm_run):
     expected, result = batchnorm_run
     bug, fixed = result.verdict("ddp W=2"), result.verdict("ddp W=2 sync_batchnorm")
     assert expected["ddp W=2"].verdict == bug.kind == "bug"
-    assert bug.finding == expected["ddp W=2"].finding == "semantic" and bug.first_divergence == 0
+    assert bug.difference == expected["ddp W=2"].finding == "semantic" and bug.first_divergence == 0
     assert bug.max_deviation >= 1e4
     # With a replay referee a bit-for-bit replay may read "exact"; rounding is the band's word.
     assert fixed.kind in ("rounding", "exact") and expected[fixed.config].verdict == "rounding"

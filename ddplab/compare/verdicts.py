@@ -18,7 +18,6 @@ from ddplab.compare import evidence as _evidence
 from ddplab.compare import mesh_evidence as _mesh_evidence
 from ddplab.compare import referee as _referee
 from ddplab.compare.evidence import EVIDENCE, Context, decide, label, pieces_text, read_band, rows
-from ddplab.formatting import render
 from ddplab.glossary import RunStatus, VerdictKind
 from ddplab.verdict import Finding, Verdict
 
@@ -42,54 +41,45 @@ SCOPE = ("covers every compared step of every rank: finite values; the replicas'
 
 
 @dataclasses.dataclass
-class ConfigVerdict:
-    """The conclusion about one configuration.
+class ConfigVerdict(Verdict):
+    """The conclusion about one compared configuration: a :class:`ddplab.verdict.Verdict` whose
+    ``case`` is the configuration's label (also :attr:`config`).
 
-    ``kind``: "exact", "rounding", "bug" or "undetermined" for a
-    configuration that ran every step; its run status ("crashed", "hung", "stopped", "not run",
-    "unavailable") otherwise, with ``classification`` then saying what the
-    referee found on the steps that did finish. ``finding`` is the kind of
-    difference localized at the first divergence ("factor",
-    "missing_contribution", "desync", "update", "semantic") or None.
-    ``summary`` is the headline's template, filled from ``values``.
-    ``evidence`` names the source that decided, one of
-    :data:`ddplab.compare.evidence.EVIDENCE` (strongest first).
+    ``kind`` (a :class:`~ddplab.glossary.VerdictKind`): "exact", "rounding", "approximation", "bug" or
+    "undetermined" for a configuration that ran every step; its run status ("crashed", "hung",
+    "stopped", "not run", "unavailable") otherwise, with ``classification`` then saying what the
+    evidence found on the steps that did finish. ``difference`` is the kind of difference found at
+    the first divergence ("factor", "missing_contribution", "desync", "asymmetry", "collective",
+    "semantic", ...) or None; ``finding(key)`` is, as for every verdict, one of its findings.
+    ``evidence`` names the source that decided, one of :data:`ddplab.compare.evidence.EVIDENCE`
+    (strongest first).
     """
 
-    config: str
-    kind: str
-    classification: str | None
-    summary: str
-    values: dict
-    findings: list[Finding]
+    classification: str | None = None
     max_deviation: float | None = None
     first_divergence: int | None = None
-    finding: str | None = None
+    difference: str | None = None
     steps_completed: int = 0
     error: str | None = None
     evidence: str = "tolerance"
+
+    @property
+    def config(self) -> str:
+        """The configuration's label (the verdict's ``case``)."""
+        return self.case
 
     @property
     def referee(self) -> str:
         """The evidence that decided (the name earlier versions used)."""
         return self.evidence
 
-    @property
-    def headline(self) -> str:
-        return render(self.summary, self.values)
-
     def finding_values(self, key: str) -> dict:
         """The numbers of finding ``key``."""
-        return self._finding(key).values
-
-    def _finding(self, key: str) -> Finding:
-        for f in self.findings:
-            if f.key == key:
-                return f
-        raise KeyError(f"verdict of {self.config!r} has no finding {key!r}; it has {[f.key for f in self.findings]}")
+        return self.finding(key).values
 
     def to_verdict(self, case: str = "your_training") -> Verdict:
-        """The same conclusion as a :class:`ddplab.verdict.Verdict` (reports, notebooks)."""
+        """The same conclusion as a case's :class:`ddplab.verdict.Verdict` named ``case`` (reports,
+        notebooks): the headline starts with the configuration's label."""
         return Verdict(case=case, kind=self.kind, summary="{config}: " + self.summary,
                        findings=list(self.findings), values={"config": self.config, **self.values},
                        scope=SCOPE)
@@ -127,8 +117,8 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
         summary = {"not run": "not run: the comparison was stopped before it",
                    "unavailable": "not run: {error}"}.get(
             status, "{status} before its first step was captured ({failed_where}): {error}")
-        return ConfigVerdict(config, kind, None, summary, failure, findings, steps_completed=done,
-                             error=error_text)
+        return ConfigVerdict(case=config, kind=kind, summary=summary, findings=findings, values=failure,
+                             scope=SCOPE, steps_completed=done, error=error_text)
     ctx = Context(frame, config, world=int(label(srow, "world_size", 1)), k=int(label(srow, "k", 1)),
                   status=srow)
     band = read_band(ctx, dev)
@@ -176,9 +166,10 @@ def judge(frame, config: str, *, error: BaseException | None = None) -> ConfigVe
     if status != "completed":
         values.update(failure)
         summary = "{status} after {steps_completed} step(s) on every rank ({failed_where}); on those steps: " + summary
-    return ConfigVerdict(config, status if status != "completed" else decision.classification,
-                         decision.classification, summary, values, findings, max_deviation=bv["max_deviation"],
-                         first_divergence=first, finding=decision.finding, steps_completed=done,
+    return ConfigVerdict(case=config, kind=status if status != "completed" else decision.classification,
+                         summary=summary, findings=findings, values=values, scope=SCOPE,
+                         classification=decision.classification, max_deviation=bv["max_deviation"],
+                         first_divergence=first, difference=decision.finding, steps_completed=done,
                          error=error_text, evidence=decision.evidence)
 
 
@@ -231,7 +222,7 @@ def verdicts_markdown(frame) -> str:
             rank = v.values.get("first_rank", 0)
             first = f"step {v.first_divergence}" + (f", rank {rank}" if rank is not None and rank >= 0 else "") + \
                 f", {v.values.get('first_param', '')}"
-        lines.append(f"| {name} | **{v.kind}** | {dev} | {first} | {v.finding or ''} | "
+        lines.append(f"| {name} | **{v.kind}** | {dev} | {first} | {v.difference or ''} | "
                     f"{v.headline.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
@@ -261,7 +252,7 @@ def comparison_verdict(frame, *, case: str = "your_training") -> Verdict:
     for v in verdicts:
         values = {k: val for k, val in v.values.items() if not isinstance(val, dict)}
         values.update(config=v.config, verdict=v.kind, headline=v.headline,
-                      finding=v.finding or "none", steps_completed=v.steps_completed)
+                      finding=v.difference or "none", steps_completed=v.steps_completed)
         holds = {"exact": True, "rounding": True, "bug": False}.get(v.classification) if v.classification else None
         if v.kind in ("not run", "unavailable"):
             holds = None

@@ -179,26 +179,14 @@ def sensitivity(seeds: int, steps: int) -> None:
         for seed in range(seeds):
             fault = faults.plant(kind, magnitude, seed=seed, steps=steps, fsdp=fsdp)
             verdict = compare.run(fault.setup, [fault.config], progress=False).verdict(fault.config.label)
-            v = verdict.values
             detected += verdict.kind == "bug"
-            placed += (v.get("replay_step"), v.get("replay_rank"), v.get("replay_phase")) == \
-                (fault.step, fault.rank, fault.phase)
+            placed += fault.placed(verdict)
         rows.append((("fsdp2 bf16 " if fsdp else "") + kind, magnitude, detected, placed))
     print(f"quiet faults on rank 1, {seeds} seed(s) each, {steps} steps, load average {load_average()[0]:.2f} "
           f"(target: every one bug and placed)")
     print(f"{'fault':34s}{'magnitude':>10s}{'detected':>10s}{'placed':>8s}")
     for name, magnitude, detected, placed in rows:
         print(f"{name:34s}{str(magnitude):>10s}{detected:>7d}/{seeds}{placed:>5d}/{seeds}")
-
-
-def _placed(verdict, fault) -> bool:
-    """The deciding evidence places the fault at its step and rank (the float64 run names no rank)."""
-    v = verdict.values
-    if fault.phase == "float64":
-        return verdict.evidence == "float64" and v.get("float64_step") == fault.step
-    if fault.phase == "replicas":
-        return verdict.evidence == "replicas" and (v.get("desync_step"), v.get("desync_rank")) == (fault.step, fault.rank)
-    return verdict.evidence == "twin" and (v.get("twin_step"), v.get("twin_rank")) == (fault.step, fault.rank)
 
 
 def custom_sensitivity(seeds: int, steps: int) -> None:
@@ -220,7 +208,7 @@ def custom_sensitivity(seeds: int, steps: int) -> None:
                 for fault in group:
                     verdict = result.verdict(fault.config)
                     counts[fault.kind][0] += verdict.kind == "bug"
-                    counts[fault.kind][1] += _placed(verdict, fault)
+                    counts[fault.kind][1] += fault.placed(verdict)
         rows += [(kind, magnitude, *counts[kind]) for kind in kinds]
     print(f"faults in a Custom step (rank 1; every_rank_*: all ranks), {seeds} seed(s) each, {steps} steps, "
           f"load average {load_average()[0]:.2f} (target: every one bug and placed)")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CaptureCache", "Captures", "count_steps"]
+__all__ = ["CaptureCache", "Captures", "count_steps", "SPARE_BYTES"]
 
 
 def count_steps(root: str, run_id: str, steps: int, rank: int) -> int:
@@ -31,14 +31,24 @@ def count_steps(root: str, run_id: str, steps: int, rank: int) -> int:
     return done
 
 
-class CaptureCache:
-    """The last ``size`` captures read, by (run, rank, step); older ones are forgotten."""
+#: Bytes of captures (as stored on disk) a cache keeps beyond its ``size`` most recent ones: a small
+#: model's whole comparison is then read once, whatever order the evidence sources walk its steps.
+SPARE_BYTES = 64 * 2**20
 
-    def __init__(self, size: int):
+
+class CaptureCache:
+    """The captures read last, by (run, rank, step): always the last ``size``, and older ones while all
+    of them together stay within ``spare_bytes`` on disk; the rest are forgotten. The memory held is
+    then at most ``max(size captures, spare_bytes)``, whatever the number of steps."""
+
+    def __init__(self, size: int, spare_bytes: int = SPARE_BYTES):
         if size < 1:
             raise ValueError(f"a capture cache holds at least one capture, got {size}")
-        self.size = size
+        if spare_bytes < 0:
+            raise ValueError(f"spare_bytes must be 0 or more, got {spare_bytes}")
+        self.size, self.spare_bytes = size, spare_bytes
         self._items: collections.OrderedDict = collections.OrderedDict()
+        self._bytes: dict = {}
         self.reads = 0
 
     def get(self, root: str, run_id: str, rank: int, step: int) -> dict:
@@ -52,16 +62,19 @@ class CaptureCache:
         # Files this comparison's own ranks wrote into its private scratch folder: trusted, so read
         # with the plain unpickler (the weights-only one is several times slower on their many
         # small records -- the recorded collectives).
-        value = torch.load(capture_path(root, run_id, step, rank), weights_only=False)
+        path = capture_path(root, run_id, step, rank)
+        value = torch.load(path, weights_only=False)
         self._items[key] = value
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        self._bytes[key] = os.path.getsize(path)
+        while len(self._items) > self.size and sum(self._bytes.values()) > self.spare_bytes:
+            oldest, _ = self._items.popitem(last=False)
+            del self._bytes[oldest]
         return value
 
     def forget(self, run_id: str | None = None) -> None:
         """Drop every capture (of ``run_id`` only, when given)."""
         for key in [k for k in self._items if run_id is None or k[1] == run_id]:
-            del self._items[key]
+            del self._items[key], self._bytes[key]
 
 
 class Captures(Sequence):

@@ -16,11 +16,15 @@ comparison then keeps what was captured so far and runs nothing more.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import tempfile
+import threading
 import time
 from typing import Callable
 
+import psutil
 import torch
 
 from ddplab import launcher as _launcher
@@ -48,6 +52,9 @@ __all__ = ["Comparison", "ReferenceFailed", "run", "DEFAULT_TIMEOUT"]
 
 #: Seconds each launch (the reference runs, one configuration) may take before it counts as hung.
 DEFAULT_TIMEOUT = 300.0
+#: What one process of a comparison holds, in float64 copies of the model: parameters, gradients,
+#: optimizer state, the step's capture and the activations (a generous count, for :attr:`_Session.alongside`).
+MODEL_COPIES = 8
 
 
 class ReferenceFailed(RuntimeError):
@@ -356,6 +363,14 @@ def checked_setup(setup: Setup, steps: int | None, divisors: dict, timeout: floa
     return result.returns[0]
 
 
+#: A variant launch stopped with the comparison (not a failure of the variant).
+_STOPPED = object()
+
+
+class _Cancelled(Exception):
+    """A launch of this comparison that was stopped before it started."""
+
+
 class _Session:
     """One comparison's launches and analysis inside its scratch folder ``root``."""
 
@@ -367,6 +382,9 @@ class _Session:
         self.statuses: dict[str, tuple[str, BaseException | None]] = {}
         self.variants: dict[tuple[str, str], str | None] = {}   # (config, variant) -> why it failed, or None
         self.stopped = False
+        self._lock = threading.Lock()
+        self._running: dict[str, _launcher.Launch] = {}   # run id -> its launch, while it runs
+        self._cancelled: set[str] = set()
         # A step's captures of every rank and reference run, and the step before (the replay's start):
         # judged a step at a time, the parent holds these few, whatever the number of steps.
         self.cache = CaptureCache(2 * max(c.world_size for c in configs) + 2 * len(runs) + 2)
@@ -393,13 +411,32 @@ class _Session:
                                   f"compare with:\n{err}") from err
 
     def _launch(self, config: Configuration, run_id: str, variant: str) -> None:
-        _launcher.launch(configuration_worker, world_size=config.world_size,
-                         args=(self.setup, config, self.steps, self.root, run_id, self.facts["digest"], variant),
-                         timeout=config.timeout or self.timeout,
-                         on_record=self.on_record if variant == "run" else None)
+        runner = _launcher.Launch(configuration_worker, world_size=config.world_size,
+                                  args=(self.setup, config, self.steps, self.root, run_id, self.facts["digest"],
+                                        variant),
+                                  timeout=config.timeout or self.timeout,
+                                  on_record=self.on_record if variant == "run" else None)
+        with self._lock:
+            if run_id in self._cancelled:
+                raise _Cancelled(run_id)
+            self._running[run_id] = runner
+        try:
+            runner.start().wait()
+        finally:
+            with self._lock:
+                self._running.pop(run_id, None)
+
+    def _cancel(self, run_ids) -> None:
+        """Stop these launches of this comparison, running or yet to start (and no other launch)."""
+        with self._lock:
+            self._cancelled.update(run_ids)
+            running = [self._running[r] for r in run_ids if r in self._running]
+        for runner in running:
+            runner.stop()
 
     def configuration(self, index: int, config: Configuration) -> None:
-        """Run ``config`` as given, then (where it needs them) its twin and its float64 run."""
+        """Run ``config`` as given and, where it needs them, its twin and its float64 run: alongside the
+        run (:attr:`alongside`), or after it when it completed."""
         if self.stopped:
             self.statuses[config.label] = ("not run", None)
             return
@@ -407,6 +444,34 @@ class _Session:
         if reason is not None:
             self.statuses[config.label] = ("unavailable", RuntimeError(reason))
             return
+        variants = ("twin", "float64") if own_evidence(self.setup, config) else ()
+        if not variants or not self.alongside:
+            self._run(index, config)
+            for variant in variants:
+                if self.statuses[config.label][0] != "completed" or self.stopped:
+                    break
+                self._keep_variant(config, variant, self._variant(index, config, variant))
+            return
+        # The twin and the float64 run need nothing from the run: they start with it, in threads of
+        # their own, so that one run's waits (forks, rendezvous) overlap the others' work.
+        others = [f"config{index}-{variant}" for variant in variants]
+        with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
+            pending = {variant: pool.submit(self._variant, index, config, variant) for variant in variants}
+            try:
+                self._run(index, config)
+            except BaseException:
+                self._cancel(others)  # Ctrl-C in the parent: the variants' ranks go too
+                raise
+            if self.statuses[config.label][0] != "completed":
+                self._cancel(others)  # what they would show has nothing to be compared with
+            for variant, future in pending.items():
+                if self.statuses[config.label][0] == "completed":
+                    self._keep_variant(config, variant, future.result())
+                else:
+                    future.result()
+
+    def _run(self, index: int, config: Configuration) -> None:
+        """Launch ``config`` as given; its status says how it ended."""
         try:
             self._launch(config, f"config{index}", "run")
             self.statuses[config.label] = ("completed", None)
@@ -417,18 +482,41 @@ class _Session:
             self.statuses[config.label] = ("hung", err)
         except _launcher.LaunchError as err:
             self.statuses[config.label] = ("crashed", err)
-        if self.statuses[config.label][0] != "completed" or not own_evidence(self.setup, config):
-            return
-        for variant in ("twin", "float64"):
-            try:
-                self._launch(config, f"config{index}-{variant}", variant)
-                self.variants[(config.label, variant)] = None
-            except _launcher.LaunchStopped:
-                self.stopped = True
-                return
-            except _launcher.LaunchError as err:
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                self.variants[(config.label, variant)] = f"the {variant} run failed: {first[:300]}"
+
+    def _keep_variant(self, config: Configuration, variant: str, outcome) -> None:
+        if outcome is _STOPPED:
+            self.stopped = True
+        else:
+            self.variants[(config.label, variant)] = outcome
+
+    @functools.cached_property
+    def alongside(self) -> bool:
+        """Do a configuration's run, twin and float64 run start together? When all their processes fit
+        in half the memory available, counting each as :data:`MODEL_COPIES` float64 copies of the
+        model; one after another otherwise."""
+        processes = 3 * max(c.world_size for c in self.configs)
+        need = processes * MODEL_COPIES * self.facts["numel"] * 8
+        return need <= psutil.virtual_memory().available / 2
+
+    def train(self) -> None:
+        """The reference runs, every configuration (:meth:`configuration`), then a reference in each
+        precision a configuration showed. The references finish first: a comparison stopped during a
+        configuration still compares every step that configuration finished."""
+        self.references(self.runs)
+        for index, config in enumerate(self.configs):
+            self.configuration(index, config)
+        self.detected_references()
+
+    def _variant(self, index: int, config: Configuration, variant: str):
+        """Launch ``config``'s ``variant``: None when it ran, why it failed, or :data:`_STOPPED`."""
+        try:
+            self._launch(config, f"config{index}-{variant}", variant)
+        except (_launcher.LaunchStopped, _Cancelled):
+            return _STOPPED
+        except _launcher.LaunchError as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return f"the {variant} run failed: {first[:300]}"
+        return None
 
     def _precision(self, index: int, config: Configuration) -> tuple:
         """The precision ``config``'s band is measured in: declared, or shown by its modules' outputs."""
@@ -554,10 +642,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     try:
         with tempfile.TemporaryDirectory(prefix="ddplab-compare-") as root:
             session = _Session(setup, configs, facts, runs, root, timeout, on_record)
-            session.references(runs)
-            for index, config in enumerate(configs):
-                session.configuration(index, config)
-            session.detected_references()
+            session.train()
             records = list(streamed)
             ref_recs, caps = _reference_records(session.cache, root, session.runs, steps, facts["dtype"])
             records += ref_recs

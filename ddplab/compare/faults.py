@@ -14,7 +14,8 @@ one unit in the last place):
   ``before_step`` (the ranks then disagree);
 * ``optimizer`` -- rank 1's learning rate is ``lr * (1 + magnitude)``;
 * ``skipped_micro_batch`` / ``duplicated_micro_batch`` -- under
-  accumulation, rank 1's first micro-batch loss counts 0 or 2 times;
+  accumulation, rank 1's first micro-batch loss counts 0 or 2 times (in the
+  setup's loss, which the replay runs as the rank did: the twin places it);
 * ``low_precision_bucket`` -- every bucket is rounded to bfloat16 before
   the reduction, by a hook that promises DDP's own average (registered
   with :func:`ddplab.compare.replay.register_reduction`).
@@ -61,6 +62,23 @@ class PlantedFault:
     step: int
     rank: int
     phase: str
+
+    def placed(self, verdict) -> bool:
+        """Does ``verdict`` call this fault a bug and place it: the evidence ``phase`` names decided, at the
+        fault's step and rank (a replay phase: the replay or the replicas, at that phase too; the float64
+        run names no rank)?"""
+        v = verdict.values
+        if verdict.kind != "bug":
+            return False
+        if self.phase == "float64":
+            return verdict.evidence == "float64" and v.get("float64_step") == self.step
+        if self.phase == "replicas":
+            return verdict.evidence == "replicas" and (v.get("desync_step"), v.get("desync_rank")) == \
+                (self.step, self.rank)
+        if self.phase == "twin":
+            return verdict.evidence == "twin" and (v.get("twin_step"), v.get("twin_rank")) == (self.step, self.rank)
+        return verdict.evidence in ("replicas", "replay") and \
+            (v.get("replay_step"), v.get("replay_rank"), v.get("replay_phase")) == (self.step, self.rank, self.phase)
 
 
 def _on_rank(rank: int) -> bool:
@@ -173,6 +191,9 @@ def plant(kind: str, magnitude=1e-6, *, seed: int = 0, steps: int = 3, world_siz
         weight = 0.0 if kind == "skipped_micro_batch" else 2.0
         setup = dataclasses.replace(setup, loss=_CountedLoss(2, weight, rank))
         config = Accumulate(world_size, k=2)
+        # The fault lives in the setup's loss, which the replay runs as the rank ran it: the twin (every
+        # rank on rank 0's data) sees rank 1 depart at its first all-reduce.
+        phase = "twin"
     elif kind == "low_precision_bucket":
         config = DDP(world_size, comm_hook=bf16_bucket_hook)
         phase, rank = "reduction", 0  # every rank reduces the rounded buckets: rank 0 is the first

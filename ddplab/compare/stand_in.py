@@ -70,9 +70,14 @@ def process_group(rank: int, world_size: int) -> Iterator[bool]:
 def reads_process_group(setup, world_size: int) -> bool:
     """Whether the setup's loss, on the model's output for batch 0 at the initial weights, gives other
     bits on some rank of ``world_size`` than in one process (a loss that reads ``dist.get_world_size()``)."""
+    import cloudpickle
+
     from ddplab.compare.compiled import eager
     from ddplab.compare.setup import global_batches
 
+    # On a copy, as the ranks get it: a loss that keeps state (a call counter) must reach the ranks
+    # and the replay as the user left it, whenever this probe runs.
+    setup = cloudpickle.loads(cloudpickle.dumps(setup))
     batch = global_batches(setup, 1)[0]
     rng = torch.get_rng_state()
     try:

@@ -30,8 +30,10 @@ __all__ = ["FORKSERVER_PRELOAD", "SERVER_SETUP", "STOP_GRACE", "context", "stop_
 #: constructor and torch.optim import torch._dynamo lazily: about 1 s per rank
 #: on an idle core (up to 7 s under load) on every launch, unless preloaded.
 #: ddplab.compare's workers (with numba, through the collectives' emulation)
-#: cost each rank of a comparison's five launches another quarter second.
-FORKSERVER_PRELOAD = ["ddplab.launcher", "torch._dynamo", "torch.nn.parallel", "torch.optim", "ddplab.compare"]
+#: cost each rank of a comparison's five launches another quarter second; the
+#: recorder's interception and the comm hooks (torch's, with PowerSGD) 20 ms more.
+FORKSERVER_PRELOAD = ["ddplab.launcher", "torch._dynamo", "torch.nn.parallel", "torch.optim", "ddplab.compare",
+                      "ddplab.collectives.interception", "ddplab.collectives.comm_hooks", "ddplab.comm_hooks"]
 #: Imported first in the forkserver: makes it a subreaper (:mod:`ddplab._rank_server`).
 SERVER_SETUP = "ddplab._rank_server"
 #: Grace given to a rank between SIGTERM and SIGKILL when stopping a launch.

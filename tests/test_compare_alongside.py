@@ -1,0 +1,59 @@
+"""A configuration's twin and float64 run start alongside its run when memory allows, and the
+parent reads each capture once while a small comparison fits its spare bytes: the verdicts are
+the same either way."""
+from __future__ import annotations
+
+import torch
+
+from ddplab import compare
+from ddplab.compare import comparison, examples, faults
+from ddplab.compare.captures import CaptureCache, Captures
+from ddplab.compare.runners import capture_path
+
+
+def _evidence(result, label):
+    v = result.verdict(label)
+    # To 12 digits: the parent's least-squares fit of the float64 factor may differ in the last bit
+    # on a process's first comparison (its BLAS warming up); the ranks' values are bitwise the same.
+    own = {key: {name: f"{value:.12g}" if isinstance(value, float) else value
+                 for name, value in v.finding(key).values.items()} for key in ("twin", "float64")}
+    return v.kind, v.evidence, v.difference, own
+
+
+def test_alongside_or_one_after_another_the_verdict_is_the_same(no_leftovers, monkeypatch):
+    fault = faults.plant_custom("loss_term", 1e-6, steps=2)   # a loss term on rank 1: the twin's to find
+    setup = fault.setup
+    configs = [compare.Custom(2, k=2, train_step=examples.accumulate_correctly), fault.config]
+    together = compare.run(setup, configs, progress=False)
+    # Each process counted as more copies of the model than the machine holds: one launch at a time.
+    monkeypatch.setattr(comparison, "MODEL_COPIES", 10**12)
+    apart = compare.run(setup, configs, progress=False)
+    for config in configs:
+        assert _evidence(together, config.label) == _evidence(apart, config.label)
+    assert together.verdict(configs[0]).kind == "rounding"
+    assert fault.placed(together.verdict(configs[1]))
+
+
+def _write(root, run_id: str, steps: int, numel: int) -> None:
+    for step in range(steps):
+        path = capture_path(str(root), run_id, step, 0)
+        (root / run_id).mkdir(exist_ok=True)
+        torch.save({"params": {"w": torch.full((numel,), float(step))}}, path)
+
+
+def test_the_cache_keeps_its_last_captures_and_older_ones_within_its_spare_bytes(tmp_path):
+    _write(tmp_path, "run", steps=4, numel=1000)     # about 4 KB a capture
+    small = CaptureCache(2, spare_bytes=0)
+    caps = Captures(small, str(tmp_path), "run", 0, 4)
+    for _ in range(2):
+        assert [float(c["params"]["w"][0]) for c in caps] == [0.0, 1.0, 2.0, 3.0]
+    assert small.reads == 8                          # two kept of four: every pass reads them all again
+    roomy = CaptureCache(2, spare_bytes=10**6)
+    caps = Captures(roomy, str(tmp_path), "run", 0, 4)
+    for _ in range(2):
+        assert [float(c["params"]["w"][0]) for c in caps] == [0.0, 1.0, 2.0, 3.0]
+    assert roomy.reads == 4                          # all four fit the spare bytes: read once
+    tight = CaptureCache(1, spare_bytes=5000)        # one capture and a bit: the last one, or two
+    caps = Captures(tight, str(tmp_path), "run", 0, 4)
+    list(caps)
+    assert 1 <= len(tight._items) <= 2 and (str(tmp_path), "run", 0, 3) in tight._items

@@ -33,7 +33,7 @@ def count_steps(root: str, run_id: str, steps: int, rank: int) -> int:
 
 #: Bytes of captures (as stored on disk) a cache keeps beyond its ``size`` most recent ones: a small
 #: model's whole comparison is then read once, whatever order the evidence sources walk its steps.
-SPARE_BYTES = 64 * 2**20
+SPARE_BYTES = 16 * 2**20
 
 
 class CaptureCache:

@@ -63,22 +63,27 @@ MODEL = "(model)"
 QUANTITIES = ("grad", "param")
 
 
-def _flat(tensors: dict, names: list[str]) -> torch.Tensor:
-    return torch.cat([tensors[n].reshape(-1).to(torch.float64) for n in names]) if names else \
-        torch.zeros(0, dtype=torch.float64)
-
-
-def _rel(x: torch.Tensor, truth: torch.Tensor, scale: float) -> float:
-    """‖x − truth‖ / scale, with equal infinities/NaNs at the same places counting as equal."""
-    diff = x.to(torch.float64) - truth
-    same = (x.to(torch.float64) == truth) | (torch.isnan(x) & torch.isnan(truth))
-    diff = torch.where(same, torch.zeros_like(diff), diff)
+def _squared(x: torch.Tensor, truth: torch.Tensor) -> float:
+    """‖x − truth‖² in float64, equal infinities and NaNs at the same places counting as equal;
+    inf when another difference is not finite."""
+    diff = x.to(torch.float64) - truth.to(torch.float64)
     if not bool(torch.isfinite(diff).all()):
-        return math.inf
-    num = float(torch.linalg.vector_norm(diff))
-    if num == 0.0:
+        # Only here can inf − inf or NaN − NaN stand for equal values: mask them and look again.
+        wide, truth = x.to(torch.float64), truth.to(torch.float64)
+        same = (wide == truth) | (torch.isnan(wide) & torch.isnan(truth))
+        diff = torch.where(same, torch.zeros_like(diff), diff)
+        if not bool(torch.isfinite(diff).all()):
+            return math.inf
+    return float(torch.linalg.vector_norm(diff)) ** 2
+
+
+def _ratio(squared: float, scale: float) -> float:
+    """√squared / scale: 0 for no difference, inf for an infinite one or a zero scale."""
+    if squared == 0.0:
         return 0.0
-    return num / scale if scale > 0 else math.inf
+    if math.isinf(squared):
+        return math.inf
+    return math.sqrt(squared) / scale if scale > 0 else math.inf
 
 
 def _with_missing(values: dict | None, like: dict) -> dict:
@@ -108,37 +113,51 @@ def distance_records(step: int, quantity: str, truth: dict, band_run: dict, run:
     names = [n for n in truth if truth[n] is not None]
     run = _with_missing(run, truth)
     band_run = _with_missing(band_run, truth)
-    total = _flat(truth, names)
-    model_scale = float(torch.linalg.vector_norm(total))
-    band_model = _rel(_flat(band_run, names), total, model_scale)
+    reference = _with_missing(reference, truth) if reference is not None else None
+    others = {rank: _with_missing(other, truth) for rank, other in sorted((others or {}).items())}
+    # Per parameter, then the whole model from the parameters' squared distances: never a flat copy
+    # of the model (in float64, twice its size) per comparison.
+    sums = {key: 0.0 for key in ("truth", "band", "run", "reference", *others)}
+    equal = dict.fromkeys(others, True)
+    rows = []
+    for name in names:
+        t = truth[name].reshape(-1).to(torch.float64)
+        c = run[name].reshape(-1)
+        squared = dict(truth=float(torch.linalg.vector_norm(t)) ** 2, band=_squared(band_run[name].reshape(-1), t),
+                       run=_squared(c, t))
+        if reference is not None:
+            squared["reference"] = _squared(c, reference[name].reshape(-1))
+        for rank, other in others.items():
+            o = other[name].reshape(-1)
+            squared[rank] = _squared(o, c)
+            same = bool(torch.equal(o, c)) if o.dtype == c.dtype else False
+            equal[rank] = equal[rank] and same
+            squared[("equal", rank)] = same
+        for key in sums:
+            if key in squared:
+                sums[key] += squared[key]
+        rows.append((name, squared))
+    model_scale = math.sqrt(sums["truth"])
+    band_model = _ratio(sums["band"], model_scale)
+    rows.append((MODEL, {**sums, **{("equal", r): e for r, e in equal.items()}}))
     out = []
     base = dict(step=step, config=config, quantity=quantity)
 
     def emit(metric, value, param, rank=0, **extra):
         out.append(record(metric, value, rank=rank, param=param, **base, **extra))
 
-    for name in names + [MODEL]:
-        if name == MODEL:
-            t, c = total, _flat(run, names)
-            b, scale = band_model, model_scale
-            ref = _flat(_with_missing(reference, truth), names) if reference is not None else None
-        else:
-            t = truth[name].reshape(-1).to(torch.float64)
-            c = run[name].reshape(-1)
-            scale = float(torch.linalg.vector_norm(t)) or model_scale
-            b = max(_rel(band_run[name].reshape(-1), t, scale), band_model)
-            ref = _with_missing(reference, truth)[name].reshape(-1) if reference is not None else None
-        d = _rel(c, t, scale)
+    for name, squared in rows:
+        scale = model_scale if name == MODEL else (math.sqrt(squared["truth"]) or model_scale)
+        b = band_model if name == MODEL else max(_ratio(squared["band"], scale), band_model)
+        d = _ratio(squared["run"], scale)
         emit("distance_to_truth", d, name)
         emit("band", b, name, band_run=band_label, unit_roundoff=unit_roundoff)
         emit("deviation", _deviation(d, b), name)
-        if ref is not None:
-            emit("distance_to_reference", _rel(c, ref.to(torch.float64), scale), name)
-        for rank, other in sorted((others or {}).items()):
-            other = _with_missing(other, truth)
-            o = _flat(other, names) if name == MODEL else other[name].reshape(-1)
-            emit("rank_distance", _rel(o, c.to(torch.float64), scale), name, rank=rank,
-                 bitwise_equal=bool(torch.equal(o, c)) if o.dtype == c.dtype else False)
+        if reference is not None:
+            emit("distance_to_reference", _ratio(squared["reference"], scale), name)
+        for rank in others:
+            emit("rank_distance", _ratio(squared[rank], scale), name, rank=rank,
+                 bitwise_equal=squared[("equal", rank)])
     return out
 
 

@@ -269,14 +269,18 @@ def _status_record(config: Configuration, status: str, steps_done: int, error: B
 # --------------------------------------------------------------------------- the evidence runs
 
 
-def own_evidence(setup: Setup, config: Configuration) -> bool:
+def own_evidence(setup: Setup, config: Configuration,
+                 reads_process_group: Callable[[int], bool] | None = None) -> bool:
     """Does ``config`` need the evidence that asks no specification (the symmetric twin, its own code
-    in float64)? Where the specification replay covers every phase it is the stronger evidence."""
+    in float64)? Where the specification replay covers every phase it is the stronger evidence.
+    ``reads_process_group(world_size)``: :func:`ddplab.compare.stand_in.reads_process_group` of the setup,
+    when the caller already knows it."""
     if _replay.unavailable(setup, config) is not None or isinstance(config, FSDP2):
         return True
     if config.approximates() is not None:
         return True
-    if _stand_in.reads_process_group(setup, config.world_size):
+    reads = reads_process_group or (lambda world: _stand_in.reads_process_group(setup, world))
+    if reads(config.world_size):
         return True  # the float64 promise ran in one process: not what the ranks promise
     return _replay.reduction_emulation(getattr(config, "comm_hook", None)) is None
 
@@ -385,6 +389,7 @@ class _Session:
         self._lock = threading.Lock()
         self._running: dict[str, _launcher.Launch] = {}   # run id -> its launch, while it runs
         self._cancelled: set[str] = set()
+        self._reads: dict[int, bool] = {}                  # world size -> the loss reads the process group
         # A step's captures of every rank and reference run, and the step before (the replay's start):
         # judged a step at a time, the parent holds these few, whatever the number of steps.
         self.cache = CaptureCache(2 * max(c.world_size for c in configs) + 2 * len(runs) + 2)
@@ -444,7 +449,7 @@ class _Session:
         if reason is not None:
             self.statuses[config.label] = ("unavailable", RuntimeError(reason))
             return
-        variants = ("twin", "float64") if own_evidence(self.setup, config) else ()
+        variants = ("twin", "float64") if own_evidence(self.setup, config, self.reads_process_group) else ()
         if not variants or not self.alongside:
             self._run(index, config)
             for variant in variants:
@@ -488,6 +493,12 @@ class _Session:
             self.stopped = True
         else:
             self.variants[(config.label, variant)] = outcome
+
+    def reads_process_group(self, world_size: int) -> bool:
+        """:func:`ddplab.compare.stand_in.reads_process_group` of the setup, tried once per world size."""
+        if world_size not in self._reads:
+            self._reads[world_size] = _stand_in.reads_process_group(self.setup, world_size)
+        return self._reads[world_size]
 
     @functools.cached_property
     def alongside(self) -> bool:
@@ -566,7 +577,7 @@ class _Session:
             # A model whose modules issue collectives (SyncBatchNorm) promises something else
             # than every rank's share on its own: the float64 promise does not describe it.
             # Nor does it where the loss reads the process group: the promise ran in a one-rank launch.
-            reads = _stand_in.reads_process_group(self.setup, config.world_size)
+            reads = self.reads_process_group(config.world_size)
             if promise is not None and _replay.unavailable(self.setup, config) is None and not reads:
                 records += _replay.semantic_records(self.setup, config, promise, caps)
             records += _localization.localize(self.setup, config, caps, ranks, recs)

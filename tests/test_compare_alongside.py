@@ -57,3 +57,60 @@ def test_the_cache_keeps_its_last_captures_and_older_ones_within_its_spare_bytes
     caps = Captures(tight, str(tmp_path), "run", 0, 4)
     list(caps)
     assert 1 <= len(tight._items) <= 2 and (str(tmp_path), "run", 0, 3) in tight._items
+
+
+def _slow_accumulation(ctx):
+    """Correct accumulation, a fifth of a second a step: a stop or a crash lands while every launch runs."""
+    import time
+
+    time.sleep(0.2)
+    return examples.accumulate_correctly(ctx)
+
+
+def _crash_in_float32_on_rank_1_at_step_1(ctx):
+    """Raises where the configuration runs in float32 (the run and its twin), not in its float64 run."""
+    if ctx.rank == 1 and ctx.step == 1 and ctx.shard[0].dtype == torch.float32:
+        raise RuntimeError("rank 1 crashed at step 1")
+    return _slow_accumulation(ctx)
+
+
+def _variant_steps(launch_and_run):
+    """The steps the twin's and the float64 run's ranks finished (the launches that stream to no callback)."""
+    from ddplab import launcher
+
+    steps = []
+
+    def seen(run, rec):
+        if run.on_record is None and rec.get("metric") == "grad_norm":
+            steps.append(rec["step"])
+
+    with launcher.observe(seen):
+        result = launch_and_run()
+    return result, steps
+
+
+def test_a_stop_during_the_run_ends_its_twin_and_float64_run_too(no_leftovers):
+    from ddplab import launcher
+
+    config = compare.Custom(2, k=2, train_step=_slow_accumulation)
+
+    def progress(label, step, steps):
+        if label == config.label:
+            launcher.stop_all()  # what the explorer's Stop button does, at the run's first step
+
+    result, steps = _variant_steps(lambda: compare.run(examples.digits_setup(0, steps=6), config, progress=progress))
+    v = result.verdict(config)
+    assert result.stopped and v.kind == "stopped" and 1 <= v.steps_completed < 6
+    assert max(steps, default=-1) < 5                # stopped with the run, not trained to the end
+    frame = result.records
+    assert not frame["metric"].isin(["twin_differing", "float64_distance", "evidence_unavailable"]).any()
+
+
+def test_a_run_that_crashes_stops_its_float64_run_and_the_comparison_goes_on(no_leftovers):
+    crashing = compare.Custom(2, k=2, train_step=_crash_in_float32_on_rank_1_at_step_1)
+    after = compare.DDP(2)
+    result, steps = _variant_steps(lambda: compare.run(examples.digits_setup(0, steps=6), [crashing, after],
+                                                       progress=False))
+    assert result.verdict(crashing).kind == "crashed" and not result.stopped
+    assert max(steps, default=-1) < 5                # the float64 run did not train on for nothing
+    assert result.verdict(after).kind == "exact"     # the next configuration still ran

@@ -3,7 +3,8 @@
 :func:`run` checks the setup and the configurations here (a bad one raises
 ValueError before any process starts), trains the reference runs in one
 process, each configuration on its W ranks (real gloo process groups via
-:func:`ddplab.launch`), and compares every captured step with the float64
+:func:`ddplab.launch`; where it needs them, its symmetric twin and its float64
+run start alongside it when memory allows), and compares every captured step with the float64
 truth (:mod:`ddplab.compare.referee`), localizes the first divergence
 (:mod:`ddplab.compare.localization`) and returns a :class:`Comparison`:
 the tidy records, one verdict per configuration, the errors of the
@@ -464,16 +465,16 @@ class _Session:
             pending = {variant: pool.submit(self._variant, index, config, variant) for variant in variants}
             try:
                 self._run(index, config)
+                if self.statuses[config.label][0] != "completed":
+                    self._cancel(others)  # what they would show has nothing to be compared with
+                for variant, future in pending.items():
+                    if self.statuses[config.label][0] == "completed":
+                        self._keep_variant(config, variant, future.result())
+                    else:
+                        future.result()
             except BaseException:
                 self._cancel(others)  # Ctrl-C in the parent: the variants' ranks go too
                 raise
-            if self.statuses[config.label][0] != "completed":
-                self._cancel(others)  # what they would show has nothing to be compared with
-            for variant, future in pending.items():
-                if self.statuses[config.label][0] == "completed":
-                    self._keep_variant(config, variant, future.result())
-                else:
-                    future.result()
 
     def _run(self, index: int, config: Configuration) -> None:
         """Launch ``config`` as given; its status says how it ended."""

@@ -25,8 +25,8 @@ def test_alongside_or_one_after_another_the_verdict_is_the_same(no_leftovers, mo
     setup = fault.setup
     configs = [compare.Custom(2, k=2, train_step=examples.accumulate_correctly), fault.config]
     together = compare.run(setup, configs, progress=False)
-    # Each process counted as more copies of the model than the machine holds: one launch at a time.
-    monkeypatch.setattr(comparison, "MODEL_COPIES", 10**12)
+    # A model above the size whose launches start together: one launch at a time.
+    monkeypatch.setattr(comparison, "ALONGSIDE_NUMEL", 0)
     apart = compare.run(setup, configs, progress=False)
     for config in configs:
         assert _evidence(together, config.label) == _evidence(apart, config.label)

@@ -4,7 +4,7 @@
 ValueError before any process starts), trains the reference runs in one
 process, each configuration on its W ranks (real gloo process groups via
 :func:`ddplab.launch`; where it needs them, its symmetric twin and its float64
-run start alongside it when memory allows), and compares every captured step with the float64
+run start alongside it for a small model), and compares every captured step with the float64
 truth (:mod:`ddplab.compare.referee`), localizes the first divergence
 (:mod:`ddplab.compare.localization`) and returns a :class:`Comparison`:
 the tidy records, one verdict per configuration, the errors of the
@@ -56,6 +56,8 @@ DEFAULT_TIMEOUT = 300.0
 #: What one process of a comparison holds, in float64 copies of the model: parameters, gradients,
 #: optimizer state, the step's capture and the activations (a generous count, for :attr:`_Session.alongside`).
 MODEL_COPIES = 8
+#: The largest model (in parameters) whose twin and float64 run start alongside its run.
+ALONGSIDE_NUMEL = 1_000_000
 
 
 class ReferenceFailed(RuntimeError):
@@ -503,9 +505,13 @@ class _Session:
 
     @functools.cached_property
     def alongside(self) -> bool:
-        """Do a configuration's run, twin and float64 run start together? When all their processes fit
-        in half the memory available, counting each as :data:`MODEL_COPIES` float64 copies of the
-        model; one after another otherwise."""
+        """Do a configuration's run, twin and float64 run start together? For a model of at most
+        :data:`ALONGSIDE_NUMEL` parameters whose processes all fit in half the memory available
+        (counting each as :data:`MODEL_COPIES` float64 copies of the model); one after another
+        otherwise. A larger model's launches compute more than they wait: side by side on the same
+        cores they would only stretch each one towards its timeout."""
+        if self.facts["numel"] > ALONGSIDE_NUMEL:
+            return False
         processes = 3 * max(c.world_size for c in self.configs)
         need = processes * MODEL_COPIES * self.facts["numel"] * 8
         return need <= psutil.virtual_memory().available / 2

@@ -42,7 +42,6 @@ reach deviations of 1e5–1e8 in float32.
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import torch
 
@@ -117,9 +116,7 @@ def distance_records(step: int, quantity: str, truth: dict, band_run: dict, run:
     others = {rank: _with_missing(other, truth) for rank, other in sorted((others or {}).items())}
     # Per parameter, then the whole model from the parameters' squared distances: never a flat copy
     # of the model (in float64, twice its size) per comparison.
-    sums = {key: 0.0 for key in ("truth", "band", "run", "reference", *others)}
-    equal = dict.fromkeys(others, True)
-    rows = []
+    rows = []  # (param, squared distances by what is compared, rank -> bitwise equal to rank 0)
     for name in names:
         t = truth[name].reshape(-1).to(torch.float64)
         c = run[name].reshape(-1)
@@ -127,26 +124,24 @@ def distance_records(step: int, quantity: str, truth: dict, band_run: dict, run:
                        run=_squared(c, t))
         if reference is not None:
             squared["reference"] = _squared(c, reference[name].reshape(-1))
+        equal = {}
         for rank, other in others.items():
             o = other[name].reshape(-1)
             squared[rank] = _squared(o, c)
-            same = bool(torch.equal(o, c)) if o.dtype == c.dtype else False
-            equal[rank] = equal[rank] and same
-            squared[("equal", rank)] = same
-        for key in sums:
-            if key in squared:
-                sums[key] += squared[key]
-        rows.append((name, squared))
-    model_scale = math.sqrt(sums["truth"])
-    band_model = _ratio(sums["band"], model_scale)
-    rows.append((MODEL, {**sums, **{("equal", r): e for r, e in equal.items()}}))
+            equal[rank] = bool(torch.equal(o, c)) if o.dtype == c.dtype else False
+        rows.append((name, squared, equal))
+    compared = ["truth", "band", "run", *(["reference"] if reference is not None else []), *others]
+    model = {key: sum(squared[key] for _, squared, _ in rows) for key in compared}
+    rows.append((MODEL, model, {rank: all(row[2][rank] for row in rows) for rank in others}))
+    model_scale = math.sqrt(model["truth"])
+    band_model = _ratio(model["band"], model_scale)
     out = []
     base = dict(step=step, config=config, quantity=quantity)
 
     def emit(metric, value, param, rank=0, **extra):
         out.append(record(metric, value, rank=rank, param=param, **base, **extra))
 
-    for name, squared in rows:
+    for name, squared, equal in rows:
         scale = model_scale if name == MODEL else (math.sqrt(squared["truth"]) or model_scale)
         b = band_model if name == MODEL else max(_ratio(squared["band"], scale), band_model)
         d = _ratio(squared["run"], scale)
@@ -157,7 +152,7 @@ def distance_records(step: int, quantity: str, truth: dict, band_run: dict, run:
             emit("distance_to_reference", _ratio(squared["reference"], scale), name)
         for rank in others:
             emit("rank_distance", _ratio(squared[rank], scale), name, rank=rank,
-                 bitwise_equal=squared[("equal", rank)])
+                 bitwise_equal=equal[rank])
     return out
 
 

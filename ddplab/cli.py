@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -47,11 +48,19 @@ def _cmd_report(opts) -> int:
 def _cmd_run(opts) -> int:
     from ddplab.torchrun import run_rank
     try:
-        return run_rank(opts.target, opts.out, dict(opts.param or ()), backend=opts.backend,
+        code = run_rank(opts.target, opts.out, dict(opts.param or ()), backend=opts.backend,
                         timeout=opts.timeout)
     except ValueError as exc:
         print(f"ddplab run: {exc}", file=sys.stderr)
         return 2
+    # The rank joined the job, saved what it owes and left with every peer. End here, without
+    # the interpreter's finalization: a process group that C++ still holds (a DDP reducer kept
+    # alive by torch.compile's caches) outlives destroy_process_group, and its gloo threads,
+    # taking the GIL while the interpreter shuts down, abort the process (SIGABRT, "terminate
+    # called without an active exception") after the work succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _cmd_cases(opts) -> int:

@@ -29,6 +29,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import pickle
@@ -106,7 +107,16 @@ def _digits_file() -> pathlib.Path | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The digits' pixels and labels, parsed once per process (read-only: callers copy)."""
+    arrays = _parse_digits()
+    for array in arrays:
+        array.setflags(write=False)
+    return arrays
+
+
+def _parse_digits() -> tuple[np.ndarray, np.ndarray]:
     path = _digits_file()
     if path is not None:
         # What load_digits does: 64 pixel columns, then the label.
@@ -124,7 +134,7 @@ def digits(dtype: torch.dtype = torch.float32) -> ImageDataset:
     pixels = raw.astype(np.float64) / 16.0
     pixels = (pixels - pixels.mean()) / pixels.std()
     images = torch.from_numpy(pixels).unsqueeze(1).to(dtype)
-    labels = torch.from_numpy(target)
+    labels = torch.from_numpy(target.copy())
     return ImageDataset(images, labels, num_classes=10, name="digits")
 
 

@@ -43,9 +43,9 @@ from ddplab.compare import replay as _replay
 from ddplab.compare import stand_in as _stand_in
 from ddplab.compare import twin as _twin
 from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
-from ddplab.compare.runners import (RunSpec, configuration_worker, precision_reference, reference_runs,
-                                    reference_worker)
-from ddplab.compare.setup import Setup, SetupError, check_setup, global_batches
+from ddplab.compare.runners import (DIFFERENT_MODEL, RunSpec, configuration_worker, precision_reference,
+                                    reference_runs, reference_worker, train_references)
+from ddplab.compare.setup import Setup, SetupError, check_setup, global_batches, model_digest
 from ddplab.compare.verdicts import ConfigVerdict, comparison_verdict, judge, verdicts_markdown
 from ddplab.numerics import unit_roundoff
 
@@ -330,17 +330,35 @@ def _unavailable_record(config: Configuration, evidence: str, reason: str) -> di
 # --------------------------------------------------------------------------- the entry point
 
 
-def _check_worker(setup: Setup, steps: int | None, divisors: dict) -> dict:
-    """Rank 0 of a 1-rank launch: :func:`check_setup` (run there, so that a setup that hangs is bounded)."""
-    return check_setup(setup, steps=steps, divisors=divisors)
+class _ReferenceTrainingFailed(RuntimeError):
+    """Raised in the first launch's rank when a reference run fails after the setup's check passed."""
 
 
-def checked_setup(setup: Setup, steps: int | None, divisors: dict, timeout: float) -> dict:
-    """:func:`check_setup`'s facts, computed in a process of its own within ``timeout`` seconds.
+def _first_worker(setup: Setup, steps: int | None, configs: list[Configuration], root: str) -> dict:
+    """Rank 0 of a comparison's first launch: try the setup (:func:`check_setup`), refuse what the
+    configurations cannot run on it (a mesh plan, per-rank batches), then train every reference run.
+    One process for all of it: a launch's start and rendezvous are most of a small comparison's cost."""
+    facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
+    _meshes.check_plans(setup, configs)
+    _data.check_rank_batches(setup, facts["steps"], configs)
+    try:
+        train_references(setup, reference_runs(configs, promises=not facts["random"]), facts["steps"], root)
+    except Exception as exc:  # noqa: BLE001 - told apart from the setup's check in the parent
+        raise _ReferenceTrainingFailed(f"{type(exc).__name__}: {exc}") from exc
+    return facts
+
+
+def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], root: str, timeout: float,
+                 on_record: Callable | None = None) -> dict:
+    """:func:`_first_worker` in a process of its own within ``timeout`` seconds: the setup's facts
+    (:func:`check_setup`), with the reference runs' captures under ``root``.
 
     The user's callables (``model()``, the batches, the loss, the optimizer) run there first: one
     that hangs is stopped at the timeout and named by where it was; one that raises is a
-    :class:`SetupError` with its message. Nothing else has started.
+    :class:`SetupError` with its message; a configuration the setup cannot run is a ValueError.
+    No configuration has started. Then this process builds the model too: a model that another
+    process builds otherwise (seeded from its pid or the clock) is refused before any configuration.
+    Raises :class:`ReferenceFailed` when a reference run fails after the check passed.
     """
     import cloudpickle
 
@@ -351,23 +369,39 @@ def checked_setup(setup: Setup, steps: int | None, divisors: dict, timeout: floa
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's to fix, said
         raise SetupError(f"the setup must be picklable (cloudpickle) to reach the ranks: {exc}") from exc
     try:
-        result = _launcher.launch(_check_worker, world_size=1, args=(setup, steps, divisors), timeout=timeout)
+        result = _launcher.launch(_first_worker, world_size=1, args=(setup, steps, configs, root),
+                                  timeout=timeout, on_record=on_record)
     except _launcher.LaunchTimeout as err:
         place = err.places.get(0)
         where = (f": it was in {place.frame.function} ({place.frame.file}:{place.frame.line})"
                  if place is not None else "")
-        raise SetupError(f"trying the setup did not finish within {timeout:g} s{where}; setup.model(), "
-                         f"the batches, the loss or the optimizer does not return") from err
+        raise SetupError(f"trying the setup and training the reference did not finish within {timeout:g} s"
+                         f"{where}; setup.model(), the batches, the loss or the optimizer does not return") from err
     except _launcher.RankFailed as err:
         text = (err.remote_traceback or str(err)).rstrip()
-        if err.exc_type == "SetupError" and "SetupError: " in text:
-            raise SetupError(text.rsplit("SetupError: ", 1)[-1]) from err
+        said = text.rsplit(f"{err.exc_type}: ", 1)[-1] if f"{err.exc_type}: " in text else str(err).splitlines()[0]
+        if err.exc_type == "_ReferenceTrainingFailed":
+            raise ReferenceFailed(f"the single-process reference failed, so there is nothing to compare with: "
+                                  f"{said}") from err
+        if err.exc_type == "SetupError":
+            raise SetupError(said) from err
+        if err.exc_type == "ValueError":   # a configuration the setup cannot run (compare.meshes)
+            raise ValueError(said) from err
         raise SetupError(f"trying the setup raised {err.exc_type}: {str(err).splitlines()[0]}") from err
     except _launcher.LaunchStopped:
         raise
     except _launcher.LaunchError as err:
         raise SetupError(f"trying the setup failed: {str(err).splitlines()[0]}") from err
-    return result.returns[0]
+    facts = result.returns[0]
+    rng = torch.get_rng_state()   # the user's session keeps its random state
+    try:
+        with _stand_in.process_group(0, 1):
+            here = model_digest(setup.build_model())
+    finally:
+        torch.set_rng_state(rng)
+    if here != facts["digest"]:
+        raise SetupError(DIFFERENT_MODEL)
+    return facts
 
 
 #: A variant launch stopped with the comparison (not a failure of the variant).
@@ -517,10 +551,9 @@ class _Session:
         return need <= psutil.virtual_memory().available / 2
 
     def train(self) -> None:
-        """The reference runs, every configuration (:meth:`configuration`), then a reference in each
-        precision a configuration showed. The references finish first: a comparison stopped during a
-        configuration still compares every step that configuration finished."""
-        self.references(self.runs)
+        """Every configuration (:meth:`configuration`), then a reference in each precision a
+        configuration showed. The reference runs finished before (:func:`first_launch`): a comparison
+        stopped during a configuration still compares every step that configuration finished."""
         for index, config in enumerate(self.configs):
             self.configuration(index, config)
         self.detected_references()
@@ -644,21 +677,23 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     if not (isinstance(progress, bool) or callable(progress)):
         raise ValueError(f"progress must be True, False or a callable (config, step, steps), got {progress!r}")
     _launcher.check_timeout(timeout)
-    facts = checked_setup(setup, steps, {c.label: c.pieces for c in configs}, timeout)
-    _meshes.check_plans(setup, configs)
-    steps = facts["steps"]
-    _data.check_rank_batches(setup, steps, configs)
-    runs = reference_runs(configs, promises=not facts["random"])
-    batches = global_batches(setup, steps)
-    bars = _Progress(steps, progress is True, progress if callable(progress) else None)
     streamed: list[dict] = []
-
-    def on_record(rec: dict) -> None:
-        streamed.append(rec)
-        bars(rec)
-
+    bars = None
     try:
         with tempfile.TemporaryDirectory(prefix="ddplab-compare-") as root:
+            # The reference runs' records are kept as they come; their bars, once the number of steps is known.
+            facts = first_launch(setup, steps, configs, root, timeout, streamed.append)
+            steps = facts["steps"]
+            bars = _Progress(steps, progress is True, progress if callable(progress) else None)
+            for rec in streamed:
+                bars(rec)
+
+            def on_record(rec: dict) -> None:
+                streamed.append(rec)
+                bars(rec)
+
+            runs = reference_runs(configs, promises=not facts["random"])
+            batches = global_batches(setup, steps)
             session = _Session(setup, configs, facts, runs, root, timeout, on_record)
             session.train()
             records = list(streamed)
@@ -667,7 +702,8 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
             for index, config in enumerate(configs):
                 records += session.analyse(index, config, caps, batches)
     finally:
-        bars.close()
+        if bars is not None:
+            bars.close()
     errors = {label: error for label, (_, error) in session.statuses.items() if error is not None}
     frame = _records.to_frame(records)
     verdicts = {c.label: judge(frame, c.label, error=errors.get(c.label)) for c in configs}

@@ -56,8 +56,8 @@ from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_bat
                                   global_batches, model_digest, named_trainable)
 
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
-           "capture_path", "load_capture", "reference_worker", "VARIANTS", "collective_state", "collective_record",
-           "precision_reference", "TRAINERS", "register_trainer",
+           "capture_path", "load_capture", "reference_worker", "train_references", "DIFFERENT_MODEL", "VARIANTS",
+           "collective_state", "collective_record", "precision_reference", "TRAINERS", "register_trainer",
            "configuration_worker", "reference_runs"]
 
 
@@ -436,22 +436,27 @@ def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> N
         capture.finish(step, _loss_value(loss))
 
 
-def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str) -> None:
-    """Rank 0 of a 1-rank launch: every reference run, one after the other.
+#: Why a model that another process builds otherwise cannot be compared.
+DIFFERENT_MODEL = ("setup.model() builds different initial weights in another process than in this one, so "
+                   "ranks would start from different models: seed it with a constant (torch.manual_seed(0)), "
+                   "not from the process or the clock")
 
-    First checks that this process builds the model the parent built
-    (``digest``): a model seeded from the process (its pid, the clock) would
-    start every rank elsewhere, and that is found here, before any
-    configuration runs.
-    """
-    if model_digest(setup.build_model()) != digest:
-        raise SetupError("setup.model() builds different initial weights in another process than in "
-                         "this one, so ranks would start from different models: seed it with a "
-                         "constant (torch.manual_seed(0)), not from the process or the clock")
+
+def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str) -> None:
+    """Every reference run, one after the other, in this process: each writes its captures under ``root``."""
     batches = global_batches(setup, steps)
     with eager():  # one process's rounding, which compiling would not change in size
         for spec in runs:
             _train_reference(setup, spec, batches, root)
+
+
+def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str) -> None:
+    """Rank 0 of a 1-rank launch: :func:`train_references`, in a process that first checks it builds
+    the model whose weights have ``digest`` (a model seeded from the process, its pid or the clock,
+    would start every rank elsewhere)."""
+    if model_digest(setup.build_model()) != digest:
+        raise SetupError(DIFFERENT_MODEL)
+    train_references(setup, runs, steps, root)
 
 
 # --------------------------------------------------------------------------- the configurations

@@ -301,3 +301,48 @@ def test_bad_input_is_rejected_with_a_clear_error():
         reduction_bounds(x, "gloo_ring", local_steps=2)
     with pytest.raises(ValueError, match=r"\[W, k, N\]"):
         reduce_accumulated(torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------- large tensors, a chunk at a time
+
+
+def _cases(seed: int):
+    """Reductions of every kind measure() must judge the same whole and in chunks: clean, a planted
+    one-ulp fault, an overflow, a NaN, an infinite bound (bfloat16 over many ranks), no order."""
+    g = gen(seed)
+    x = torch.randn(3, 1000, generator=g)
+    yield "clean", reduce(x, "gloo_ring", **DDP), x, "gloo_ring", DDP
+    fault = reduce(x, "gloo_ring", **DDP)
+    fault[637] = torch.nextafter(fault[637], torch.tensor(math.inf))
+    yield "one ulp", fault, x, "gloo_ring", DDP
+    yield "by bound", fault, x, "gloo_ring", dict(DDP, bitwise=False)
+    for order in ("sequential", "reverse", "pairwise"):
+        yield order, reduce(x, order), x, order, {}
+    yield "no order", fault, x, None, {}
+    half = torch.randn(3, 900, generator=g).to(torch.float16)
+    half[:, 450] = torch.tensor([-65504.0, 65504.0, 65504.0], dtype=torch.float16)
+    half[0, 10] = math.inf
+    half[1, 10] = -math.inf
+    yield "overflow and nan", reduce(half, "gloo_ring"), half, "gloo_ring", {}
+    yield "sequential overflow", reduce(half, "gloo_ring"), half, "sequential", {}
+    wide = torch.randn(300, 700, generator=g).to(torch.bfloat16)
+    yield "infinite bound", reduce(wide, "gloo_ring"), wide, "gloo_ring", dict(bitwise=False)
+    yield "compression", reduce(x.to(torch.bfloat16), "gloo_ring", op="avg").to(torch.float32), x, "gloo_ring", \
+        dict(op="avg", reduce_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_large_tensor_is_measured_a_chunk_at_a_time_with_the_numbers_of_measuring_it_whole(seed, monkeypatch):
+    from ddplab.numerics import accuracy
+
+    for name, result, x, order, kw in _cases(seed):
+        whole = measure(result, x, order, **kw)
+        monkeypatch.setattr(accuracy, "CHUNK_ELEMENTS", 97)   # several chunks, the last one short
+        chunked = measure(result, x, order, **kw)
+        monkeypatch.undo()
+        assert chunked.keys() == whole.keys(), name
+        for key, value in whole.items():
+            if isinstance(value, float) and not isinstance(chunked[key], str):
+                assert chunked[key] == pytest.approx(value, rel=1e-12, abs=0, nan_ok=True), (name, key)
+            else:
+                assert chunked[key] == value, (name, key)

@@ -14,11 +14,30 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["CaptureCache", "Captures", "count_steps", "SPARE_BYTES"]
+__all__ = ["CaptureCache", "Captures", "count_steps", "SPARE_BYTES", "StepRecords", "in_step"]
+
+#: What an evidence source yields: its records of each step in turn, one list per step (then, at most,
+#: one list more: what it concludes once every step is seen).
+StepRecords = Iterator[list]
+
+
+def in_step(*sources: StepRecords) -> list[list[dict]]:
+    """Each source's records, the sources advanced together one step at a time: the captures of a
+    step are read once, while the cache holds them, and every source has used them before the next
+    step is read. A source that ends early drops out."""
+    out: list[list[dict]] = [[] for _ in sources]
+    live = dict(enumerate(sources))
+    while live:
+        for index, source in list(live.items()):
+            try:
+                out[index] += next(source)
+            except StopIteration:
+                del live[index]
+    return out
 
 
 def count_steps(root: str, run_id: str, steps: int, rank: int) -> int:
@@ -63,7 +82,7 @@ class CaptureCache:
         # with the plain unpickler (the weights-only one is several times slower on their many
         # small records -- the recorded collectives).
         path = capture_path(root, run_id, step, rank)
-        value = torch.load(path, weights_only=False)
+        value = torch.load(path, weights_only=False, mmap=True)
         self._items[key] = value
         self._bytes[key] = os.path.getsize(path)
         while len(self._items) > self.size and sum(self._bytes.values()) > self.spare_bytes:

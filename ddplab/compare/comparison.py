@@ -32,7 +32,7 @@ from ddplab import launcher as _launcher
 from ddplab import records as _records
 from ddplab.compare import finite as _finite
 from ddplab.compare import recorded as _recorded
-from ddplab.compare.captures import CaptureCache, Captures
+from ddplab.compare.captures import CaptureCache, Captures, StepRecords, in_step
 from ddplab.compare import data as _data
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import localization as _localization
@@ -213,12 +213,12 @@ def _reference_records(cache: CaptureCache, root: str, runs: list[RunSpec], step
     return recs, caps
 
 
-def _config_records(config: Configuration, ranks: list[list[dict]], caps: dict,
-                    band: RunSpec, dtype: torch.dtype) -> list[dict]:
+def _config_steps(config: Configuration, ranks: list[list[dict]], caps: dict,
+                  band: RunSpec, dtype: torch.dtype) -> StepRecords:
+    """The referee's distances of every rank from the truth, the band run and the reference, per step."""
     truth, ref, matched = caps["truth"], caps["reference"], caps[band.run_id]
-    done = min([len(ranks[0]), len(truth), len(ref), len(matched)])
-    recs = []
-    for step in range(done):
+    for step in range(min([len(ranks[0]), len(truth), len(ref), len(matched)])):
+        recs = []
         for quantity in _referee.QUANTITIES:
             key = quantity + "s"
             others = {r: ranks[r][step][key] for r in range(1, config.world_size) if step < len(ranks[r])}
@@ -226,20 +226,19 @@ def _config_records(config: Configuration, ranks: list[list[dict]], caps: dict,
                                               ranks[0][step][key], ref[step][key], config=config.label,
                                               others=others, band_label=band.label,
                                               unit_roundoff=_unit(band, dtype))
-    return recs
+        yield recs
 
 
-def _reduction_records(config: Configuration, ranks: list[list[dict]]) -> list[dict]:
+def _reduction_steps(config: Configuration, ranks: list[list[dict]]) -> StepRecords:
     """The referee's measure of every captured DDP bucket: its result against gloo's ring order
-    applied to the W ranks' contributions (bit for bit), per step; empty without captured buckets."""
+    applied to the W ranks' contributions (bit for bit), per step; nothing without captured buckets."""
     from ddplab.numerics import error_records
     from ddplab.numerics.orders import DDP_AVERAGING
 
-    out = []
-    steps = min(len(r) for r in ranks)
-    for step in range(steps):
+    for step in range(min(len(r) for r in ranks)):
         if "buckets" not in ranks[0][step]:
-            return out
+            return
+        out = []
         by_rank = [{b["index"]: b for b in ranks[r][step]["buckets"]} for r in range(config.world_size)]
         for index, bucket in sorted(by_rank[0].items()):
             if not all(index in other for other in by_rank):
@@ -248,7 +247,7 @@ def _reduction_records(config: Configuration, ranks: list[list[dict]]) -> list[d
             out += error_records(bucket["result"], contributions, "gloo_ring", op="avg",
                                  averaging=DDP_AVERAGING, step=step, rank=0, bucket=index,
                                  config=config.label, params=bucket["params"], collective="allreduce")
-    return out
+        yield out
 
 
 def _status_record(config: Configuration, status: str, steps_done: int, error: BaseException | None,
@@ -300,7 +299,7 @@ def _float64_precision(config: Configuration, run: list[dict]) -> torch.dtype | 
     return _float64.lowest_precision(names)
 
 
-def _float64_records(setup: Setup, config: Configuration, run: list[dict], caps: dict) -> list[dict]:
+def _float64_records(setup: Setup, config: Configuration, run: list[dict], caps: dict) -> StepRecords:
     """The configuration's own code in float64 against the float64 truth (:mod:`ddplab.compare.float64_run`)."""
     low = _float64_precision(config, run)
     tolerance = _float64.precision_tolerance(low, config.world_size)
@@ -427,9 +426,11 @@ class _Session:
         self._running: dict[str, _launcher.Launch] = {}   # run id -> its launch, while it runs
         self._cancelled: set[str] = set()
         self._reads: dict[int, bool] = {}                  # world size -> the loss reads the process group
-        # A step's captures of every rank and reference run, and the step before (the replay's start):
-        # judged a step at a time, the parent holds these few, whatever the number of steps.
-        self.cache = CaptureCache(2 * max(c.world_size for c in configs) + 2 * len(runs) + 2)
+        # What the evidence sources read at one step (:func:`in_step`): every rank's capture of it and of
+        # the step before (the replay's start), the twin's ranks, the float64 run, every reference run
+        # (and one in a precision a configuration shows). The parent holds these few, whatever the steps.
+        world = max(c.world_size for c in configs)
+        self.cache = CaptureCache(3 * world + 1 + len(runs) + 1)
 
     def captures(self, run_id: str, rank: int, steps: int | None = None) -> Captures:
         """Rank ``rank``'s captures of ``run_id``, read when a step is needed."""
@@ -606,22 +607,25 @@ class _Session:
             if finite is not None:
                 ranks = [r[:finite] for r in ranks]
                 caps = {key: value[:finite] for key, value in caps.items()}
-            recs = _config_records(config, ranks, caps, band, self.facts["dtype"])
-            records += recs
-            records += _data.sample_records(self.setup, config, batches)
-            records += _reduction_records(config, ranks)
-            records += _recorded.collective_records(config, ranks, self.facts["dtype"])
-            records += _mesh_evidence.mesh_records(config, ranks, self.facts["dtype"])
-            records += _replay.replay_records(self.setup, config, ranks, batches)
             promise = caps.get(_promise_id(self.runs, config))
             # A model whose modules issue collectives (SyncBatchNorm) promises something else
             # than every rank's share on its own: the float64 promise does not describe it.
             # Nor does it where the loss reads the process group: the promise ran in a one-rank launch.
             reads = self.reads_process_group(config.world_size)
-            if promise is not None and _replay.unavailable(self.setup, config) is None and not reads:
-                records += _replay.semantic_records(self.setup, config, promise, caps)
+            semantic = (_replay.semantic_records(self.setup, config, promise, caps)
+                        if promise is not None and _replay.unavailable(self.setup, config) is None and not reads
+                        else iter(()))
+            dtype = self.facts["dtype"]
+            # Every source reads a step's captures while the cache holds them, then the next step's.
+            recs, reductions, collectives, mesh, replayed, promised, *own = in_step(
+                _config_steps(config, ranks, caps, band, dtype), _reduction_steps(config, ranks),
+                _recorded.collective_records(config, ranks, dtype), _mesh_evidence.mesh_records(config, ranks, dtype),
+                _replay.replay_records(self.setup, config, ranks, batches), semantic,
+                *self._own_evidence(index, config, caps, finite))
+            records += recs + _data.sample_records(self.setup, config, batches)
+            records += reductions + collectives + mesh + replayed + promised
             records += _localization.localize(self.setup, config, caps, ranks, recs)
-            records += self._own_evidence(index, config, caps, finite)
+            records += [rec for source in own for rec in source]
         records.append(_status_record(config, status, done, error,
                                       no_replay=_replay.unavailable(self.setup, config),
                                       random=self.facts["random"] or None,
@@ -630,22 +634,23 @@ class _Session:
                                       reads_process_group=reads or None, **facts))
         return records
 
-    def _own_evidence(self, index: int, config: Configuration, caps: dict, finite: int | None) -> list[dict]:
+    def _own_evidence(self, index: int, config: Configuration, caps: dict, finite: int | None) -> list[StepRecords]:
+        """The twin's and the float64 run's sources (or why each is unavailable), as they ran."""
         out = []
         for variant in ("twin", "float64"):
             if (config.label, variant) not in self.variants:
                 continue
             failed = self.variants[(config.label, variant)]
             if failed is not None:
-                out.append(_unavailable_record(config, variant, failed))
+                out.append(iter([[_unavailable_record(config, variant, failed)]]))
                 continue
             run_id = f"config{index}-{variant}"
             ranks = [self.captures(run_id, r, self.steps if finite is None else finite)
                      for r in range(config.world_size)]
             if variant == "twin":
-                out += _twin.twin_records(config.label, ranks, getattr(config, "twin_partner", None))
+                out.append(_twin.twin_records(config.label, ranks, getattr(config, "twin_partner", None)))
             else:
-                out += _float64_records(self.setup, config, ranks[0], caps)
+                out.append(_float64_records(self.setup, config, ranks[0], caps))
         return out
 
 

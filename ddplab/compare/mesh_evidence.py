@@ -38,6 +38,7 @@ import math
 import torch
 
 from ddplab.collectives import REDUCTIONS
+from ddplab.compare.captures import StepRecords
 from ddplab.compare.meshes import HSDP, MeshConfiguration, MeshLayout
 from ddplab.records import record
 
@@ -163,17 +164,14 @@ def partial_sum_records(config: MeshConfiguration, step: int, caps: list[dict], 
     return out
 
 
-def mesh_records(config, ranks: list, model_dtype: torch.dtype) -> list[dict]:
-    """Every step's evidence per axis of a mesh configuration (``ranks[r][step]``); [] for any other."""
+def mesh_records(config, ranks: list, model_dtype: torch.dtype) -> StepRecords:
+    """Every step's evidence per axis of a mesh configuration (``ranks[r][step]``); nothing for any other."""
     if not isinstance(config, MeshConfiguration):
-        return []
-    out = []
+        return
     for step in range(min(len(r) for r in ranks)):
         caps = [r[step] for r in ranks]
-        out += replica_records(config, step, caps)
-        out += precision_records(config, step, caps, model_dtype)
-        out += partial_sum_records(config, step, caps, model_dtype)
-    return out
+        yield (replica_records(config, step, caps) + precision_records(config, step, caps, model_dtype)
+               + partial_sum_records(config, step, caps, model_dtype))
 
 
 # --------------------------------------------------------------------------- the evidence sources

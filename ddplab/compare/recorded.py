@@ -23,6 +23,7 @@ import torch
 # The collectives that reduce (the ones a reduce dtype governs): every form the recorder names,
 # FSDP2's ``reduce_scatter_single`` included.
 from ddplab.collectives.ops import REDUCTIONS
+from ddplab.compare.captures import StepRecords
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom
 from ddplab.records import record
 
@@ -62,23 +63,23 @@ def reduction_dtypes(captures: list[dict]) -> set[str]:
             and state.get("dtype") and getattr(torch, state["dtype"]).is_floating_point}
 
 
-def collective_records(config: Configuration, ranks: list, model_dtype: torch.dtype) -> list[dict]:
+def collective_records(config: Configuration, ranks: list, model_dtype: torch.dtype) -> StepRecords:
     """Verify every step's collectives of every rank (``ranks[r][step]``) and check their dtypes."""
     from ddplab.collectives import verify
 
     declared = declared_reduce_dtype(config, model_dtype)
     labels = dict(config=config.label)
     axis_of = getattr(config, "axis_of", None)  # a mesh's collectives are named by the axis they span
-    out: list[dict] = []
     for step in range(min(len(r) for r in ranks)):
         caps = [r[step] for r in ranks]
         recs = step_collectives(caps)
         if not any(recs):
+            yield []
             continue
         result = verify(recs)
         # Collectives issued before the first step (DDP's broadcast of the weights) belong to step 0.
-        out += [dict(row, step=step if row.get("step") is None else row["step"], **labels,
-                     **({"axis": axis_of(row.get("group", "?"))} if axis_of else {})) for row in result.records]
+        out = [dict(row, step=step if row.get("step") is None else row["step"], **labels,
+                    **({"axis": axis_of(row.get("group", "?"))} if axis_of else {})) for row in result.records]
         seen = {(state["op"], state["dtype"]) for rank in recs for state in
                 ({"op": r.op, "dtype": r.dtype} for r in rank if getattr(r, "op", None) in REDUCTIONS)}
         for op, dtype in sorted(seen, key=str):
@@ -86,4 +87,4 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
                 continue
             out.append(record("collective_dtype", 1, step=step, op=op, dtype=dtype,
                               declared=declared or "", **labels))
-    return out
+        yield out

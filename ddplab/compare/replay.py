@@ -62,6 +62,7 @@ from ddplab.compare import compiled as _compiled
 from ddplab.compare import data as _data
 from ddplab.compare import sharded_optimizers as _sharded
 from ddplab.compare import stand_in as _stand_in
+from ddplab.compare.captures import StepRecords
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
 from ddplab.compare.runners import ForwardDigests
 from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable
@@ -401,16 +402,15 @@ def _shard_rows(rows: int, world: int, rank: int) -> slice:
     return slice(min(rank * chunk, rows), min((rank + 1) * chunk, rows))
 
 
-def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]], batches: list) -> list[dict]:
+def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]], batches: list) -> StepRecords:
     """Replay every captured step of ``config`` (``ranks[r][step]``: rank r's captures) and compare.
 
-    Returns the records of the module docstring; an empty list when the
+    Yields each step's records of the module docstring; nothing when the
     configuration has no replay (:func:`unavailable`).
     """
     if unavailable(setup, config) is not None:
-        return []
+        return
     em = _Emitter(config)
-    world, k = config.world_size, config.k
     emulation = reduction_emulation(getattr(config, "comm_hook", None)) if not isinstance(config, FSDP2) else None
     initial = {n: p.detach().clone() for n, p in named_trainable(setup.build_model())}
     steps = min(len(r) for r in ranks)
@@ -421,32 +421,40 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
     rng = torch.get_rng_state()
     try:
         for step in range(steps):
-            pieces = _data.batch_pieces(setup, batches[step], step, world, k)
-            caps = [ranks[r][step] for r in range(world)]
-            for rank in range(world):
-                before = initial if step == 0 else ranks[rank][step - 1]["params"]
-                optim_before = None if step == 0 else ranks[rank][step - 1].get("optimizer")
-                micro = pieces[rank * k:(rank + 1) * k]
-                # DDP broadcasts rank 0's buffers at the start of every forward.
-                source = caps[rank] if isinstance(config, FSDP2) else caps[0]
-                _replay_local(em, setup, config, step, rank, caps[rank], before, source.get("buffers"), micro,
-                              modules_seen)
-                _replay_update(em, setup, config, step, rank, caps[rank], before, optim_before)
-            _sharded.broadcast_records(lambda s, r, name, live, owner: em.bits(s, r, "update", "param", name,
-                                                                               live, owner), step, caps)
-            if isinstance(config, FSDP2):
-                continue  # the ranks' audit measured every reduce-scatter bit for bit
-            if emulation is None:
-                hook = getattr(config.comm_hook, "__name__", "the comm hook")
-                for rank in range(world):
-                    em.unverified(step, rank, "reduction", f"ddplab has no bit-exact emulation of {hook} "
-                                  "(ddplab.compare.replay.register_reduction states one)")
-            else:  # every reduction of the step (k when every micro-batch synchronizes)
-                for round_ in range(len({b.get("round", 0) for b in caps[0].get("buckets", [])})):
-                    _replay_reduction(em, config, step, [_with_round(cap, round_) for cap in caps], emulation)
+            _replay_step(em, setup, config, ranks, batches, step, initial, modules_seen, emulation)
+            mine, em.out = em.out, []   # one step's records at a time
+            yield _compiled.unverified_local(mine) if compiled else mine
     finally:
         torch.set_rng_state(rng)
-    return _compiled.unverified_local(em.out) if compiled else em.out
+
+
+def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, step: int, initial: dict,
+                 modules_seen: list, emulation) -> None:
+    """Step ``step`` of :func:`replay_records`, every rank, its records into ``em``."""
+    world, k = config.world_size, config.k
+    pieces = _data.batch_pieces(setup, batches[step], step, world, k)
+    caps = [ranks[r][step] for r in range(world)]
+    for rank in range(world):
+        before = initial if step == 0 else ranks[rank][step - 1]["params"]
+        optim_before = None if step == 0 else ranks[rank][step - 1].get("optimizer")
+        micro = pieces[rank * k:(rank + 1) * k]
+        # DDP broadcasts rank 0's buffers at the start of every forward.
+        source = caps[rank] if isinstance(config, FSDP2) else caps[0]
+        _replay_local(em, setup, config, step, rank, caps[rank], before, source.get("buffers"), micro,
+                      modules_seen)
+        _replay_update(em, setup, config, step, rank, caps[rank], before, optim_before)
+    _sharded.broadcast_records(lambda s, r, name, live, owner: em.bits(s, r, "update", "param", name,
+                                                                       live, owner), step, caps)
+    if isinstance(config, FSDP2):
+        return  # the ranks' audit measured every reduce-scatter bit for bit
+    if emulation is None:
+        hook = getattr(config.comm_hook, "__name__", "the comm hook")
+        for rank in range(world):
+            em.unverified(step, rank, "reduction", f"ddplab has no bit-exact emulation of {hook} "
+                          "(ddplab.compare.replay.register_reduction states one)")
+    else:  # every reduction of the step (k when every micro-batch synchronizes)
+        for round_ in range(len({b.get("round", 0) for b in caps[0].get("buckets", [])})):
+            _replay_reduction(em, config, step, [_with_round(cap, round_) for cap in caps], emulation)
 
 
 def first_difference(frame, config: str) -> dict | None:
@@ -477,7 +485,7 @@ def first_difference(frame, config: str) -> dict | None:
 # --------------------------------------------------------------------------- the semantic question
 
 
-def semantic_records(setup: Setup, config: Configuration, promise: list[dict], caps: dict) -> list[dict]:
+def semantic_records(setup: Setup, config: Configuration, promise: list[dict], caps: dict) -> StepRecords:
     """Does the data-parallel promise (the float64 run ``promise``: W ranks' shares, k micro-batches,
     the mean over ranks) equal one process (the float64 truth)? Per step, quantity and parameter:
     ``semantic_distance`` = ‖promise − truth‖ / ‖truth‖; at the first step beyond

@@ -25,6 +25,7 @@ at the first forward difference.
 from __future__ import annotations
 
 from ddplab.collectives import REDUCTIONS
+from ddplab.compare.captures import StepRecords
 from ddplab.records import record
 
 __all__ = ["twin_records", "first_asymmetry", "QUANTITIES"]
@@ -92,7 +93,7 @@ def _rank_zero(rank: int, group=None) -> int:
     return 0
 
 
-def twin_records(label: str, ranks: list[list[dict]], partner=None) -> list[dict]:
+def twin_records(label: str, ranks: list[list[dict]], partner=None) -> StepRecords:
     """Compare every rank of the twin with its partner (rank 0 unless ``partner`` says), step by step.
 
     ``ranks[r][step]`` is rank r's capture of the twin (:class:`ddplab.compare.runners.Capture`),
@@ -103,9 +104,8 @@ def twin_records(label: str, ranks: list[list[dict]], partner=None) -> list[dict
     (:meth:`ddplab.compare.meshes.MeshConfiguration.twin_partner`).
     """
     partner = partner or _rank_zero
-    out: list[dict] = []
-    steps = min(len(r) for r in ranks)
-    for step in range(steps):
+    for step in range(min(len(r) for r in ranks)):
+        out: list[dict] = []
         caps = [r[step] for r in ranks]
         for rank in range(len(ranks)):
             mine, other = caps[rank], partner(rank, None)
@@ -120,7 +120,7 @@ def twin_records(label: str, ranks: list[list[dict]], partner=None) -> list[dict
                 _tensors(out, labels, step, rank, "collective", _bucket_inputs(mine), _bucket_inputs(first))
             _tensors(out, labels, step, rank, "grad", mine["grads"], first["grads"])
             _tensors(out, labels, step, rank, "param", mine["params"], first["params"])
-    return out
+        yield out
 
 
 def first_asymmetry(frame, config: str) -> dict | None:

@@ -57,7 +57,8 @@ import torch
 
 from ddplab.numerics.accumulation import as_micro_contributions, local_sums
 from ddplab.numerics.bounds import (NOT_ROUNDING, OVERFLOW, PROBABILISTIC_CONFIDENCE, ROUNDING, UNDETERMINED,
-                                    ReductionBounds, abs_sum, classify, finite_abs_sum, reduction_bounds)
+                                    ReductionBounds, _depth_per_element, abs_sum, classify, finite_abs_sum,
+                                    reduction_bounds)
 from ddplab.numerics.contributions import Contributions, as_contributions
 from ddplab.numerics.exact import exact_parts, round_to_dtype
 from ddplab.numerics.fpformat import float_format, parse_dtype
@@ -167,12 +168,13 @@ class _Reduction:
     reduce_dtype: Any
     options: dict
     bitwise: bool                       # the order is emulated bit for bit for this result
+    layout: dict = dataclasses.field(default_factory=dict)   # a chunk of a larger buffer: its depth, whole_numel
 
     def bounds(self, abs_total: torch.Tensor) -> ReductionBounds:
         return reduction_bounds(self.c, self.order, op=self.op, averaging=self.averaging,
                                 accumulate=self.accumulate, reduce_dtype=self.reduce_dtype,
                                 result_dtype=self.dtype, local_steps=self.local_steps, abs_total=abs_total,
-                                exact_value=self.hi.abs(), **self.options)
+                                exact_value=self.hi.abs(), **self.layout, **self.options)
 
 
 def _reduction(result, contributions, order, *, op, reference, averaging, accumulate, reduce_dtype, bitwise,
@@ -368,6 +370,12 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
     ``scope``. Without ``order`` only the measurements are made
     (classification and evidence None).
     """
+    if (isinstance(contributions, torch.Tensor) and contributions.dim() == 2
+            and contributions.shape[1] > CHUNK_ELEMENTS and reference is None and accumulate is None
+            and order in CHUNKED_ORDERS):
+        return _measure_in_chunks(result, contributions, order, op=op, averaging=averaging,
+                                  reduce_dtype=reduce_dtype, expected=expected, bitwise=bitwise,
+                                  options=options, chunk=CHUNK_ELEMENTS)
     r = _reduction(result, contributions, order, op=op, reference=reference, averaging=averaging,
                    accumulate=accumulate, reduce_dtype=reduce_dtype, bitwise=bitwise, options=options)
     if r.c.numel == 0:
@@ -375,12 +383,7 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
     e = _errors(r)
     out = {"numel": r.c.numel, **e.numbers}
     if order is None:
-        out.update(max_bound_ratio=math.nan, within_bound=math.nan, bound_finite=math.nan,
-                   prob_bound_ratio=math.nan, prob_confidence=math.nan, frac_matches_order=math.nan,
-                   differs_count=math.nan, first_differs=-1, overflow_count=0,
-                   overflow_matches_order=math.nan, classification=None, evidence=None,
-                   differs_by_chunk=[], scope=r.scope)
-        return out
+        return out | _measurements_only(r.scope)
     bound = _bound_check(r, e)
     out.update(bound.numbers)
     overflow = bool(bound.overflowed.any())
@@ -393,6 +396,122 @@ def measure(result, contributions, order: str | None = None, *, op: str = "sum",
                    overflow_matches_order=math.nan, differs_by_chunk=[],
                    evidence="probabilistic" if bound.label == UNDETERMINED else "bound")
         out["classification"] = OVERFLOW if bound.label == ROUNDING and overflow else bound.label
+    return out
+
+
+#: Elements :func:`measure` judges at once in a ``[W, N]`` tensor: its float64 temporaries (dozens of
+#: copies of the elements) then stay within a few hundred MiB however large N is.
+CHUNK_ELEMENTS = 1 << 18
+#: Orders whose rigorous bound and rounding depend on each element's own contributions only, so that
+#: judging a tensor a chunk of elements at a time gives the numbers of judging it whole (the bit-exact
+#: emulation still runs on the whole tensor: a ring's segments depend on the buffer's size).
+CHUNKED_ORDERS = (None, "sequential", "reverse", "pairwise", "gloo_ring", "exact")
+
+
+def _measurements_only(scope: str) -> dict:
+    """What :func:`measure` reports without an order: no bound, no bits, no verdict."""
+    return dict(max_bound_ratio=math.nan, within_bound=math.nan, bound_finite=math.nan,
+                prob_bound_ratio=math.nan, prob_confidence=math.nan, frac_matches_order=math.nan,
+                differs_count=math.nan, first_differs=-1, overflow_count=0, overflow_matches_order=math.nan,
+                classification=None, evidence=None, differs_by_chunk=[], scope=scope)
+
+
+def _worst(ratios: list[float], judged: list[bool]) -> float:
+    """:func:`~ddplab.numerics.bounds.classify`'s ratio over the whole, from each chunk's ratio (NaN
+    where the chunk's is undefined, or where it judged nothing): the largest ratio above 1 if any, else
+    NaN where some judged chunk was undefined or none judged anything, else the largest."""
+    above = [x for x in ratios if x > 1.0]
+    if above:
+        return max(above)
+    if not any(judged) or any(math.isnan(x) and j for x, j in zip(ratios, judged)):
+        return math.nan
+    return max(x for x, j in zip(ratios, judged) if j)
+
+
+def _measure_in_chunks(result, x: torch.Tensor, order, *, op, averaging, reduce_dtype, expected, bitwise,
+                       options, chunk: int) -> dict:
+    """:func:`measure` of a ``[W, N]`` tensor's reduction, ``chunk`` elements at a time, combined into
+    the numbers of measuring it whole: maxima and counts exactly, means and RMS weighted by the
+    chunks' sizes (equal up to the last bits of a float64 mean)."""
+    result = result.detach().cpu().reshape(-1)
+    n = x.shape[1]
+    if result.numel() != n:
+        raise ValueError(f"result has {result.numel()} elements, the contributions {n}")
+    if bitwise is None:
+        bitwise = order in BIT_EXACT_ORDERS
+    emulated = None
+    if order is not None and bitwise:
+        if expected is None:
+            c = x if reduce_dtype is None else x.to(parse_dtype(reduce_dtype))
+            expected = reduce(c, order, op=op, averaging=None if order == "exact" else averaging,
+                              **options).to(result.dtype)
+        emulated = expected.detach().cpu().reshape(-1)
+        if emulated.numel() != n or emulated.dtype != result.dtype:
+            raise ValueError(f"expected must hold {n} {result.dtype} elements, got {emulated.numel()} "
+                             f"{emulated.dtype}")
+    depth = None
+    if order is not None:
+        spec = check_reduction(order, x.shape[0], op=op, averaging=averaging, reduce_dtype=reduce_dtype, **options)
+        element_size = torch.empty((), dtype=parse_dtype(reduce_dtype or x.dtype)).element_size()
+        depth = _depth_per_element(order, n, x.shape[0], element_size, spec["options"])
+    sizes, errors, bounds, scope = [], [], [], REDUCTION_SCOPE
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        r = _reduction(result[a:b], x[:, a:b], order, op=op, reference=None, averaging=averaging,
+                       accumulate=None, reduce_dtype=reduce_dtype, bitwise=bitwise, options=options)
+        if depth is not None:   # each element's place in the whole buffer's layout
+            r.layout = dict(depth=depth[a:b], whole_numel=n)
+        e = _errors(r)
+        sizes.append(b - a)
+        errors.append(e.numbers)
+        scope = r.scope
+        if order is not None:
+            bounds.append(_bound_check(r, e))
+        del r, e
+    weights = [size / n for size in sizes]
+
+    def weighted(key):
+        return sum(w * m[key] for w, m in zip(weights, errors))
+
+    out = dict(numel=n, max_ulp=max(m["max_ulp"] for m in errors), mean_ulp=weighted("mean_ulp"),
+               frac_correctly_rounded=weighted("frac_correctly_rounded"),
+               max_abs_error=max(m["max_abs_error"] for m in errors),
+               max_rel_error=max(m["max_rel_error"] for m in errors),
+               rms_abs_error=math.sqrt(sum(w * m["rms_abs_error"] ** 2 for w, m in zip(weights, errors))),
+               rms_rel_error=math.sqrt(sum(w * m["rms_rel_error"] ** 2 for w, m in zip(weights, errors))),
+               nan_count=sum(m["nan_count"] for m in errors))
+    if order is None:
+        return out | _measurements_only(scope)
+    judged = [bc.numbers["overflow_count"] < size for bc, size in zip(bounds, sizes)]
+    labels = [bc.label for bc in bounds]
+    label = NOT_ROUNDING if NOT_ROUNDING in labels else UNDETERMINED if UNDETERMINED in labels else ROUNDING
+    bound_finite = all(bc.numbers["bound_finite"] == 1.0 for bc in bounds)
+    ratio = _worst([bc.numbers["max_bound_ratio"] if bc.label == NOT_ROUNDING or bc.numbers["bound_finite"]
+                    else math.nan for bc in bounds], judged)
+    if (not bound_finite and label != NOT_ROUNDING) or not any(judged):
+        ratio = math.nan
+    overflowed = torch.cat([bc.overflowed for bc in bounds])
+    overflow = bool(overflowed.any())
+    out.update(max_bound_ratio=ratio, within_bound=math.nan if math.isnan(ratio) else float(ratio <= 1.0),
+               bound_finite=float(bound_finite),
+               prob_bound_ratio=_worst([bc.numbers["prob_bound_ratio"] for bc in bounds], judged),
+               prob_confidence=bounds[0].numbers["prob_confidence"], overflow_count=int(overflowed.sum()),
+               scope=scope)
+    if bitwise:
+        differs = ~same_bits(result, emulated)
+        count = int(differs.sum())
+        chunks = _chunks(order, n, x.shape[0], element_size, check_reduction(order, x.shape[0], **options)["options"])
+        out.update(frac_matches_order=1.0 - count / n, differs_count=count,
+                   first_differs=int(differs.nonzero()[0, 0]) if count else -1,
+                   overflow_matches_order=(math.nan if not overflow
+                                           else float(not bool(differs[overflowed].any()))),
+                   differs_by_chunk=_differs_by_chunk(differs, chunks), evidence="bitwise",
+                   classification=NOT_ROUNDING if count else (OVERFLOW if overflow else ROUNDING))
+    else:
+        out.update(frac_matches_order=math.nan, differs_count=math.nan, first_differs=-1,
+                   overflow_matches_order=math.nan, differs_by_chunk=[],
+                   evidence="probabilistic" if label == UNDETERMINED else "bound",
+                   classification=OVERFLOW if label == ROUNDING and overflow else label)
     return out
 
 

@@ -183,7 +183,8 @@ class ReductionBounds(NamedTuple):
 def reduction_bounds(contributions, order: str, *, op: str = "sum", averaging: str | None = None,
                      accumulate=None, reduce_dtype=None, result_dtype=None, local_steps: int = 1,
                      abs_total: torch.Tensor | None = None, exact_value: torch.Tensor | None = None,
-                     confidence: float = PROBABILISTIC_CONFIDENCE, **options) -> ReductionBounds:
+                     confidence: float = PROBABILISTIC_CONFIDENCE, depth: torch.Tensor | None = None,
+                     whole_numel: int | None = None, **options) -> ReductionBounds:
     """Bound what rounding can do to the reduction of ``contributions`` in ``order``, per element.
 
     ``op``, ``averaging``, ``accumulate``, ``reduce_dtype`` and ``options``
@@ -194,6 +195,9 @@ def reduction_bounds(contributions, order: str, *, op: str = "sum", averaging: s
     adds k - 1 roundings; ``abs_total`` must then be Σ|x| over all W·k rows
     and ``exact_value`` |S| or |S/W| of all of them. Otherwise both are
     computed when not given (Σ|x_r| and the exact |S| or |S/W|, float64).
+    For a chunk of elements of a larger buffer, ``depth`` gives each element's
+    additions in the whole buffer's layout and ``whole_numel`` the buffer's size
+    (the probabilistic bound's union runs over all its elements).
     """
     c = as_contributions(contributions)
     w = c.world_size
@@ -218,7 +222,10 @@ def reduction_bounds(contributions, order: str, *, op: str = "sum", averaging: s
 
         exact_value = exact_parts(c, op)[0].abs()
     total = abs_sum(c) if abs_total is None else abs_total
-    depth = _depth_per_element(order, c.numel, w, torch.empty((), dtype=red).element_size(), spec["options"])
+    if depth is None:
+        depth = _depth_per_element(order, c.numel, w, torch.empty((), dtype=red).element_size(), spec["options"])
+    elif depth.shape != (c.numel,):
+        raise ValueError(f"depth must give one count per element ({c.numel}), got shape {tuple(depth.shape)}")
 
     ft, fr, fa, fo = (float_format(d) for d in (data, red, acc, out))
     local = local_steps - 1
@@ -251,7 +258,7 @@ def reduction_bounds(contributions, order: str, *, op: str = "sum", averaging: s
     # it rounds in; the union over all of them, in every element, fails with
     # probability <= events · 2exp(-λ²(1-u)²/2) = 1 - confidence.
     products = 1 + (casts > 0) + (local > 0)
-    events = max(1, c.numel) * w * local_steps * products
+    events = max(1, c.numel if whole_numel is None else whole_numel) * w * local_steps * products
     u_max = max(ft.u if local else 0.0, fr.u, fa.u)
     lam = math.sqrt(2 * math.log(2 * events / (1 - confidence))) / (1 - u_max)
     probabilistic, _ = bound(lambda k, u: _gamma_tilde_tensor(k, u, lam))

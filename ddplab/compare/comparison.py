@@ -342,6 +342,8 @@ def _first_worker(setup: Setup, steps: int | None, configs: list[Configuration],
     _data.check_rank_batches(setup, facts["steps"], configs)
     try:
         train_references(setup, reference_runs(configs, promises=not facts["random"]), facts["steps"], root)
+    except SetupError:
+        raise
     except Exception as exc:  # noqa: BLE001 - told apart from the setup's check in the parent
         raise _ReferenceTrainingFailed(f"{type(exc).__name__}: {exc}") from exc
     return facts

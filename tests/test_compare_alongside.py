@@ -7,7 +7,7 @@ import torch
 
 from ddplab import compare
 from ddplab.compare import comparison, examples, faults
-from ddplab.compare.captures import CaptureCache, Captures
+from ddplab.compare.captures import PACKED_NUMEL, CaptureCache, Captures, read_capture, save_capture
 from ddplab.compare.runners import capture_path
 
 
@@ -38,7 +38,32 @@ def _write(root, run_id: str, steps: int, numel: int) -> None:
     for step in range(steps):
         path = capture_path(str(root), run_id, step, 0)
         (root / run_id).mkdir(exist_ok=True)
-        torch.save({"params": {"w": torch.full((numel,), float(step))}}, path)
+        save_capture({"params": {"w": torch.full((numel,), float(step))}}, path)
+
+
+def test_a_capture_reads_back_as_written_its_small_tensors_views_of_one_buffer_per_dtype(tmp_path):
+    data = {"params": {"w": torch.randn(3, 4), "b": torch.randn(4).t()}, "step": 2, "loss": None,
+            "big": torch.randn(PACKED_NUMEL + 1), "mask": torch.tensor([True, False]),
+            "collectives": [{"op": "allreduce", "tensors": {"inputs": [torch.arange(6).reshape(2, 3)]},
+                             "shapes": ((2, 3),)}], "strided": torch.randn(5, 4)[:, 1],
+            "half": torch.randn(3).bfloat16(), "empty": torch.empty(0, 2)}
+    path = str(tmp_path / "capture.pt")
+    save_capture(data, path)
+    back = read_capture(path)
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+        return a == b
+
+    assert same(data, back)
+    w, b = back["params"]["w"], back["params"]["b"]
+    assert w.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()   # one float32 buffer
+    assert back["big"].untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
 
 
 def test_the_cache_keeps_its_last_captures_and_older_ones_within_its_spare_bytes(tmp_path):

@@ -18,7 +18,80 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["CaptureCache", "Captures", "count_steps", "SPARE_BYTES", "StepRecords", "in_step"]
+__all__ = ["CaptureCache", "Captures", "count_steps", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
+           "read_capture", "PACKED_NUMEL"]
+
+#: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
+#: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
+#: and reading each as a storage of its own costs more than its bytes.
+PACKED_NUMEL = 1 << 16
+_PACKED = "__ddplab_packed__"
+
+
+def save_capture(data: dict, path: str) -> None:
+    """Write ``data`` (dicts, lists and tuples of tensors and plain values) to ``path`` atomically,
+    every small tensor (:data:`PACKED_NUMEL`) a slice of one buffer per dtype: :func:`read_capture`
+    gives it back as views into those buffers."""
+    sizes: dict[torch.dtype, int] = collections.Counter()
+
+    def count(x):
+        if isinstance(x, torch.Tensor):
+            if x.numel() <= PACKED_NUMEL and x.layout == torch.strided:
+                sizes[x.dtype] += x.numel()
+        elif isinstance(x, dict):
+            for v in x.values():
+                count(v)
+        elif type(x) in (list, tuple):
+            for v in x:
+                count(v)
+
+    count(data)
+    buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+    used: dict[torch.dtype, int] = collections.Counter()
+
+    def pack(x):
+        if isinstance(x, torch.Tensor) and x.dtype in buffers and x.numel() <= PACKED_NUMEL \
+                and x.layout == torch.strided:
+            start = used[x.dtype]
+            used[x.dtype] = start + x.numel()
+            buffers[x.dtype][start:start + x.numel()].copy_(x.detach().reshape(-1))
+            return (_PACKED, str(x.dtype).removeprefix("torch."), start, tuple(x.shape))
+        if isinstance(x, dict):
+            return {k: pack(v) for k, v in x.items()}
+        if type(x) in (list, tuple):
+            return type(x)(pack(v) for v in x)
+        return x
+
+    skeleton = pack(data)
+    torch.save({_PACKED: {str(d).removeprefix("torch."): b for d, b in buffers.items()}, "data": skeleton},
+               path + ".tmp")
+    os.replace(path + ".tmp", path)  # a capture that exists is complete
+
+
+def read_capture(path: str, mmap: bool = True) -> dict:
+    """What :func:`save_capture` wrote to ``path`` (memory-mapped: only the parts read are loaded).
+    Files this comparison's own ranks wrote into its private scratch folder: trusted, so read with the
+    plain unpickler (the weights-only one is several times slower on many small records)."""
+    stored = torch.load(path, weights_only=False, mmap=mmap)
+    if not (isinstance(stored, dict) and _PACKED in stored):
+        return stored                      # a plain torch.save of a dict
+    buffers = stored[_PACKED]
+
+    def unpack(x):
+        if type(x) is tuple and len(x) == 4 and x[0] == _PACKED:
+            _, dtype, start, shape = x
+            n = 1
+            for size in shape:
+                n *= size
+            return buffers[dtype][start:start + n].view(shape)
+        if isinstance(x, dict):
+            return {k: unpack(v) for k, v in x.items()}
+        if type(x) in (list, tuple):
+            return type(x)(unpack(v) for v in x)
+        return x
+
+    return unpack(stored["data"])
+
 
 #: What an evidence source yields: its records of each step in turn, one list per step (then, at most,
 #: one list more: what it concludes once every step is seen).
@@ -78,11 +151,8 @@ class CaptureCache:
             self._items.move_to_end(key)
             return self._items[key]
         self.reads += 1
-        # Files this comparison's own ranks wrote into its private scratch folder: trusted, so read
-        # with the plain unpickler (the weights-only one is several times slower on their many
-        # small records -- the recorded collectives).
         path = capture_path(root, run_id, step, rank)
-        value = torch.load(path, weights_only=False, mmap=True)
+        value = read_capture(path)
         self._items[key] = value
         self._bytes[key] = os.path.getsize(path)
         while len(self._items) > self.size and sum(self._bytes.values()) > self.spare_bytes:

@@ -70,10 +70,12 @@ def capture_path(root: str, run_id: str, step: int, rank: int) -> str:
 
 def load_capture(root: str, run_id: str, step: int, rank: int) -> dict | None:
     """One rank's capture of one step, or None when that step did not finish."""
+    from ddplab.compare.captures import read_capture
+
     path = capture_path(root, run_id, step, rank)
     if not os.path.exists(path):
         return None
-    return torch.load(path, weights_only=True)
+    return read_capture(path, mmap=False)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -281,9 +283,9 @@ class Capture:
             data["collectives"] = [collective_state(r) for r in self.recorder.take()]
         if self.keep is not None:
             data.update(self.keep())
-        path = capture_path(self.root, self.run_id, step, self.rank)
-        torch.save(data, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a capture that exists is complete
+        from ddplab.compare.captures import save_capture
+
+        save_capture(data, capture_path(self.root, self.run_id, step, self.rank))
         labels = dict(config=self.label)
         if loss is not None:
             _records.emit("loss", loss, step=step, rank=self.rank, **labels)

@@ -156,6 +156,10 @@ def record_scenarios(spill_dir: str) -> dict:
     with collectives.recording(spill_dir=spill_dir) as rec:
         _ddp()(rec, g)
     out["spilled"] = rec.records()
+    for keep in (True, False):   # the same run twice: with its tensors, and digests only
+        with collectives.recording(keep_tensors=keep) as rec:
+            _ddp(comm_hooks.fp16_compress_hook)(rec, torch.Generator().manual_seed(7 + dist.get_rank()))
+        out[f"kept={keep}"] = rec.records()
     return out
 
 
@@ -268,6 +272,16 @@ def test_spilled_records_hold_digests_in_memory_and_verify_from_files(w2):
     assert {"stepnone", "step0", "step1", "step2"} <= steps
     result = verify(recs)
     assert result.exact and not result.unverified and result.checked == _verified(w2, "ddp").checked
+
+
+def test_a_digest_only_recording_keeps_the_digests_shapes_and_dtypes_and_no_tensor(w2):
+    for rank in w2:
+        kept, digests = rank["kept=True"], rank["kept=False"]
+        assert len(kept) == len(digests) and any(isinstance(r, HookResult) for r in kept)
+        assert all(r.tensors is None and r.spill is None for r in digests)
+        assert all(r.tensors is not None for r in kept)
+        for a, b in zip(kept, digests):
+            assert dataclasses.replace(a, tensors=None) == b
 
 
 def hsdp_and_subgroup() -> list:

@@ -14,7 +14,9 @@ Inputs are copied when a collective is issued; the collective is then
 waited for and its outputs copied before its caller gets the Work back (see
 :meth:`Recorder.on_result`). With ``spill_dir`` each
 step's tensors go to ``spill_dir/rank<r>/step<s>.<part>.pt`` when the next
-step is set, and only digests stay in memory.
+step is set, and only digests stay in memory. With ``keep_tensors=False`` only
+the digests, shapes and dtypes are kept (a run whose collectives are compared
+by digest only, such as :mod:`ddplab.compare`'s symmetric twin).
 """
 from __future__ import annotations
 
@@ -51,8 +53,10 @@ def _error_text(exc: BaseException) -> str:
 class Recorder:
     """This rank's record of collectives and DDP comm-hook results (see the module docstring)."""
 
-    def __init__(self, *, spill_dir: str | os.PathLike | None = None, wait_timeout: float = 300.0):
+    def __init__(self, *, spill_dir: str | os.PathLike | None = None, wait_timeout: float = 300.0,
+                 keep_tensors: bool = True):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.keep_tensors = keep_tensors
         self.spill_dir = None if spill_dir is None else os.fspath(spill_dir)
         self.wait_timeout = wait_timeout
         self._lock = threading.Lock()
@@ -161,14 +165,15 @@ class Recorder:
             if spec.extra is not None:
                 rec.extra.update(spec.extra(args))
             rec.extra.update(self._labels)
-            inputs = [_copy(t) for t in spec.inputs(args)]
+            # A digest-only record reads the inputs in place: the collective has not run yet.
+            inputs = [_copy(t) if self.keep_tensors else t.detach() for t in spec.inputs(args)]
             outputs = spec.outputs(args)
             rec.input_shapes = tuple(tuple(t.shape) for t in inputs)
             rec.output_shapes = tuple(tuple(t.shape) for t in outputs)
             sample = (inputs or outputs)
             rec.dtype = str(sample[0].dtype).removeprefix("torch.") if sample else None
             rec.input_digests = tuple(tensor_digest(t) for t in inputs)
-            rec.tensors = {"inputs": inputs}
+            rec.tensors = {"inputs": inputs} if self.keep_tensors else None
         except Exception as exc:  # noqa: BLE001 - the collective must run on every rank regardless
             rec.error = f"not recorded at issue: {_error_text(exc)}"
         scope = getattr(self._hook_scope, "current", None)
@@ -212,7 +217,7 @@ class Recorder:
             if failure is not None:
                 rec.error = rec.error or f"collective failed: {_error_text(failure)}"
                 return
-            copies = [_copy(t) for t in outputs]
+            copies = [_copy(t) if self.keep_tensors else t.detach() for t in outputs]
             rec.output_digests = tuple(tensor_digest(t) for t in copies)
             if rec.tensors is not None:
                 rec.tensors["outputs"] = copies
@@ -240,11 +245,11 @@ class Recorder:
 
     def hook_result(self, rec: HookResult, value: torch.Tensor) -> None:
         try:
-            copy = _copy(value)
+            copy = _copy(value) if self.keep_tensors else value.detach()
             rec.dtype = str(copy.dtype).removeprefix("torch.")
             rec.shape = tuple(copy.shape)
             rec.digest = tensor_digest(copy)
-            rec.tensors = {"result": [copy]}
+            rec.tensors = {"result": [copy]} if self.keep_tensors else None
         except Exception as exc:  # noqa: BLE001 - DDP must get its value regardless
             rec.error = f"not recorded: {_error_text(exc)}"
         finally:
@@ -288,7 +293,8 @@ def set_step(step: int) -> None:
 
 
 @contextlib.contextmanager
-def recording(*, spill_dir: str | os.PathLike | None = None, wait_timeout: float = 300.0) -> Iterator[Recorder]:
+def recording(*, spill_dir: str | os.PathLike | None = None, wait_timeout: float = 300.0,
+              keep_tensors: bool = True) -> Iterator[Recorder]:
     """Record every CPU collective of this process, and DDP comm hooks' results, inside the block.
 
     One recording per process at a time. On exit torch's kernels and DDP's
@@ -301,7 +307,7 @@ def recording(*, spill_dir: str | os.PathLike | None = None, wait_timeout: float
 
     if _active is not None:
         raise RuntimeError("a collectives recording is already active in this process")
-    recorder = Recorder(spill_dir=spill_dir, wait_timeout=wait_timeout)
+    recorder = Recorder(spill_dir=spill_dir, wait_timeout=wait_timeout, keep_tensors=keep_tensors)
     lib = intercept(recorder.on_issue, recorder.on_result)
     _active = recorder
     try:

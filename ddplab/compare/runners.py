@@ -627,8 +627,9 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
     from ddplab import collectives
 
     # Every collective the ranks issue -- DDP's reducer, hooks, FSDP2, the user's own dist.* calls --
-    # is recorded; each step's records leave with the step's capture.
-    with collectives.recording() as recorder:
+    # is recorded; each step's records leave with the step's capture. The twin compares its ranks'
+    # collectives by digest and the float64 run reads their dtypes: their tensors stay out.
+    with collectives.recording(keep_tensors=variant == "run") as recorder:
         return _train(setup, config, steps, root, run_id, digest, variant, recorder)
 
 

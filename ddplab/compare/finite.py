@@ -26,10 +26,9 @@ def first_nonfinite(captures: list[dict]) -> dict | None:
     for step, cap in enumerate(captures):
         for quantity in ("grads", "params"):
             for name, t in cap.get(quantity, {}).items():
-                if t.is_floating_point():
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                     bad = int((~torch.isfinite(t)).sum())
-                    if bad:
-                        return dict(step=step, quantity=quantity[:-1], param=name, count=bad)
+                    return dict(step=step, quantity=quantity[:-1], param=name, count=bad)
     return None
 
 

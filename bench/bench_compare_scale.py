@@ -7,6 +7,8 @@ each measurement in a fresh interpreter (so that its peak is its own):
   as a multiple of the model's bytes (float32 parameters);
 * the largest size the comparison's scratch folder reached (polled every
   0.1 s), as a multiple of the model's bytes;
+* beside each, what ``compare.run`` stated it needs at least (``Comparison.footprint``: the
+  analysis's memory, the scratch), as a multiple of the model's bytes;
 * the comparison's wall time against the bare runs it compares (DDP on 2
   ranks, the single-process reference, its float64 shadow; no capture).
 
@@ -107,9 +109,11 @@ def measure(width: int, steps: int) -> dict:
     done.set()
     watcher.join()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # kilobytes on Linux
+    need = result.footprint
     return dict(params=sum(p.numel() for p in build(width).parameters()), steps=steps,
                 kind=result.kinds["ddp W=2"], peak_x=(peak - before) / model_bytes,
-                scratch_x=peak_scratch / model_bytes, time_x=full / bare, seconds=full)
+                scratch_x=peak_scratch / model_bytes, time_x=full / bare, seconds=full,
+                stated_peak_x=need.parent_bytes / model_bytes, stated_scratch_x=need.scratch_bytes / model_bytes)
 
 
 def main() -> None:
@@ -122,8 +126,8 @@ def main() -> None:
         print(json.dumps(measure(*args.one)))
         return
     print(machine_line())
-    print(f"{'params':>10s}{'steps':>6s}{'verdict':>9s}{'peak (× model)':>16s}{'scratch (× model)':>19s}"
-          f"{'time (× bare)':>15s}{'seconds':>9s}")
+    print(f"{'params':>10s}{'steps':>6s}{'verdict':>9s}{'peak (× model)':>16s}{'stated ≥':>10s}"
+          f"{'scratch (× model)':>19s}{'stated ≥':>10s}{'time (× bare)':>15s}{'seconds':>9s}")
     for size in args.sizes:
         for steps in args.steps:
             out = subprocess.run([sys.executable, __file__, "--one", str(width_for(size)), str(steps)],
@@ -132,8 +136,9 @@ def main() -> None:
                 print(f"{size:10.3g}{steps:6d}  failed: {out.stderr.strip().splitlines()[-1:]}")
                 continue
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{row['params']:10.3g}{steps:6d}{row['kind']:>9s}{row['peak_x']:16.1f}{row['scratch_x']:19.1f}"
-                  f"{row['time_x']:15.2f}{row['seconds']:9.1f}", flush=True)
+            print(f"{row['params']:10.3g}{steps:6d}{row['kind']:>9s}{row['peak_x']:16.1f}{row['stated_peak_x']:10.1f}"
+                  f"{row['scratch_x']:19.1f}{row['stated_scratch_x']:10.1f}{row['time_x']:15.2f}{row['seconds']:9.1f}",
+                  flush=True)
     print(f"load average {load_average()[0]:.2f}; targets: peak ≤ 8×, scratch ≤ 4× (flat in steps), time ≤ 3×")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import pytest
 from ddplab.cases import get_case
 from ddplab.report import plan_batch, run_batch
 
+from mounts import needs_mount, on_tmpfs
 from notebook_cases import notebook_case
 
 PY = sys.executable
@@ -82,37 +82,11 @@ def test_the_command_refuses_python_tags_before_running(tmp_path):
 # ---------------------------------------------------------------- --output on a disk that refuses
 
 
-def _can_mount() -> bool:
-    if not shutil.which("unshare"):
-        return False
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                            "mount -t tmpfs -o size=64k tmpfs /mnt && umount /mnt"],
-                           capture_output=True, timeout=30)
-    return probe.returncode == 0
-
-
-needs_mount = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not _can_mount(),
-    reason="needs a mount namespace (unshare --user --mount) for a small or read-only tmpfs: "
-           "as root a chmod'ed folder is still writable")
-
-
-def _on_tmpfs(disk: pathlib.Path, options: str, command: list[str], *, cwd, timeout=300):
-    """Run ``command`` with a fresh tmpfs mounted at ``disk`` (``options``: size, ro), in a
-    private mount namespace: real ENOSPC / EROFS, nothing mounted on this machine."""
-    disk.mkdir()
-    script = (f"mount -t tmpfs -o size=2m tmpfs {disk} && mount -o remount,{options} {disk} "
-              f'&& exec "$@"')
-    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script,
-                           "sh", *command], capture_output=True, text=True, cwd=cwd, env=ENV,
-                          timeout=timeout)
-
-
 @needs_mount
 def test_a_read_only_output_is_refused_before_any_notebook_runs(tmp_path):
     disk = tmp_path / "disk"
-    proc = _on_tmpfs(disk, "ro", [PY, "-m", "ddplab", "report", "half_precision", "--quick",
-                                  "--output", str(disk / "reports")], cwd=tmp_path)
+    proc = on_tmpfs(disk, "ro", [PY, "-m", "ddplab", "report", "half_precision", "--quick",
+                                 "--output", str(disk / "reports")], cwd=tmp_path, env=ENV)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"cannot write to the output folder {disk / 'reports'}: Read-only file system" in proc.stderr
     assert "started" not in proc.stdout and "Traceback" not in proc.stderr
@@ -156,8 +130,8 @@ def test_a_full_disk_fails_the_case_and_keeps_the_previous_report_whole(tmp_path
     driver = tmp_path / "driver.py"
     driver.write_text(FULL_DISK_DRIVER)
     notebook = _notebook(tmp_path / "tiny.ipynb", "print('a small notebook')")
-    proc = _on_tmpfs(disk, "size=2m", [PY, str(driver), str(notebook), str(disk / "reports")],
-                     cwd=tmp_path)
+    proc = on_tmpfs(disk, "size=2m", [PY, str(driver), str(notebook), str(disk / "reports")],
+                    cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["first"] == "ok" and "report.html" in seen["before"]
@@ -200,8 +174,8 @@ def test_a_disk_that_fills_while_the_notebook_runs_fails_the_case_and_keeps_the_
     # 4 MB of output on a 2 MB disk: papermill's saves of the notebook and its log hit ENOSPC.
     big = _notebook(tmp_path / "big.ipynb", "for i in range(1000):\n    print('x' * 4000)",
                     "print('never reached')")
-    proc = _on_tmpfs(disk, "size=2m", [PY, str(driver), str(small), str(big), str(disk / "reports")],
-                     cwd=tmp_path)
+    proc = on_tmpfs(disk, "size=2m", [PY, str(driver), str(small), str(big), str(disk / "reports")],
+                    cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["first"] == "ok" and "report.html" in seen["before"]

@@ -20,6 +20,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +37,7 @@ from ddplab.compare import recorded as _recorded
 from ddplab.compare.captures import CaptureCache, Captures, StepRecords, in_step
 from ddplab.compare import data as _data
 from ddplab.compare import float64_run as _float64
+from ddplab.compare import footprint as _footprint
 from ddplab.compare import localization as _localization
 from ddplab.compare import mesh_evidence as _mesh_evidence
 from ddplab.compare import meshes as _meshes
@@ -77,6 +80,7 @@ class Comparison:
     errors: dict[str, BaseException]
     stopped: bool = False
     wall_time: float = 0.0
+    footprint: _footprint.Footprint | None = None   # what it needed of the machine, at least
 
     def verdict(self, config: str | Configuration) -> ConfigVerdict:
         label = config.label if isinstance(config, Configuration) else config
@@ -561,6 +565,19 @@ class _Session:
             self.configuration(index, config)
         self.detected_references()
 
+    def footprint(self) -> _footprint.Footprint | None:
+        """What the configurations will need of the machine at least (:mod:`ddplab.compare.footprint`),
+        from the sizes of the reference runs' captures; None when they did not write one."""
+        sizes = _footprint.capture_sizes(self.root, self.runs)
+        if not {"reference", "truth"} <= sizes.keys():
+            return None
+        shapes = []
+        for config in self.configs:
+            if _unavailable(config) is None:
+                own = bool(own_evidence(self.setup, config, self.reads_process_group))
+                shapes.append((config.world_size, own, own))
+        return _footprint.footprint(sizes, self.steps, shapes, alongside=self.alongside)
+
     def _variant(self, index: int, config: Configuration, variant: str):
         """Launch ``config``'s ``variant``: None when it ran, why it failed, or :data:`_STOPPED`."""
         try:
@@ -702,8 +719,14 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
             runs = reference_runs(configs, promises=not facts["random"])
             batches = global_batches(setup, steps)
             session = _Session(setup, configs, facts, runs, root, timeout, on_record)
+            need = session.footprint()
+            if need is not None:
+                if progress is True:
+                    print(need.text(), file=sys.stderr, flush=True)
+                _footprint.check_fits(need, memory=psutil.virtual_memory().available,
+                                      disk=shutil.disk_usage(root).free)
             session.train()
-            records = list(streamed)
+            records = list(streamed) + (need.records() if need is not None else [])
             ref_recs, caps = _reference_records(session.cache, root, session.runs, steps, facts["dtype"])
             records += ref_recs
             for index, config in enumerate(configs):
@@ -716,4 +739,4 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     verdicts = {c.label: judge(frame, c.label, error=errors.get(c.label)) for c in configs}
     return Comparison(setup_name=setup.name, steps=steps, configurations=configs, runs=session.runs,
                       records=frame, verdicts=verdicts, errors=errors, stopped=session.stopped,
-                      wall_time=time.perf_counter() - t0)
+                      wall_time=time.perf_counter() - t0, footprint=need)

@@ -1,0 +1,108 @@
+"""What a comparison needs of the machine, at least, and a refusal before any configuration runs
+when the machine lacks it.
+
+Every run writes one capture per step and rank (:mod:`ddplab.compare.captures`). When the
+comparison's first launch returns, the reference runs' captures are on disk: their sizes are
+measured, not guessed. A configuration's rank holds, and writes each step, at least what the
+reference run in the model's dtype holds -- its parameters, gradients and optimizer state -- and
+its float64 run at least what the float64 truth holds. The figures below count only that, so
+they are lower bounds and a refusal is never wrong; what the comparison really uses is larger
+(recorded reductions, DDP's buckets, the analysis's float64 copies: ``bench/bench_compare_scale.py``
+prints both).
+
+* **scratch**: every run's captures of every step, on disk until the comparison ends;
+* **parent**: the analysis reads a step at a time and keeps two steps of what one configuration's
+  evidence reads (every reference run, its ranks, its twin's ranks, its float64 run);
+* **ranks**: each rank holds its model's state and its step's capture, a copy of it; a
+  configuration's twin and float64 run may run alongside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ddplab.records import record
+
+__all__ = ["Footprint", "footprint", "check_fits", "capture_sizes", "size_text"]
+
+GiB = 2**30
+
+
+def size_text(n: int) -> str:
+    """Bytes as people read them: KiB, MiB or GiB."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """Bytes a comparison needs at least: its parent's analysis, its ranks running at once, its scratch."""
+
+    parent_bytes: int
+    ranks_bytes: int
+    scratch_bytes: int
+    written_bytes: int          # of the scratch, already on disk (the reference runs')
+
+    @property
+    def memory_bytes(self) -> int:
+        """The larger of the two phases: the ranks train, then the parent analyses."""
+        return max(self.parent_bytes, self.ranks_bytes)
+
+    def records(self) -> list[dict]:
+        return [record("expected_parent_bytes", self.parent_bytes), record("expected_ranks_bytes", self.ranks_bytes),
+                record("expected_scratch_bytes", self.scratch_bytes)]
+
+    def text(self) -> str:
+        return (f"compare: needs at least {size_text(self.memory_bytes)} of memory (the analysis "
+                f"{size_text(self.parent_bytes)}, the ranks {size_text(self.ranks_bytes)}) and "
+                f"{size_text(self.scratch_bytes)} of scratch disk")
+
+
+def footprint(capture_bytes: dict[str, int], steps: int, configs: list[tuple[int, bool, bool]], *,
+              alongside: bool) -> Footprint:
+    """The lower bounds for ``steps`` steps. ``capture_bytes``: each reference run's step capture, by
+    label (``"reference"``, the model's dtype, and ``"truth"``, float64, among them); ``configs``: per
+    configuration ``(world_size, twin, float64)``, whether it runs its twin and its float64 run;
+    ``alongside``: whether those start together with the run."""
+    refs = sum(capture_bytes.values())
+    rank, wide = capture_bytes["reference"], capture_bytes["truth"]
+    scratch = parent = ranks = 0
+    for world, twin, float64 in configs:
+        step = world * (rank * (1 + twin) + wide * float64)
+        scratch += steps * step
+        parent = max(parent, 2 * (refs + world * rank * (1 + twin) + wide * float64))
+        launches = [rank] + [rank] * twin + [wide] * float64
+        ranks = max(ranks, world * 2 * (sum(launches) if alongside else max(launches)))
+    return Footprint(parent_bytes=parent, ranks_bytes=ranks, scratch_bytes=steps * refs + scratch,
+                     written_bytes=steps * refs)
+
+
+def check_fits(need: Footprint, *, memory: int, disk: int) -> None:
+    """Raise ValueError, with the figures, when ``need`` exceeds the ``memory`` available or the scratch
+    folder's free ``disk`` (beyond what is already written)."""
+    problems = []
+    if need.memory_bytes > memory:
+        problems.append(f"at least {size_text(need.memory_bytes)} of memory (the analysis "
+                        f"{size_text(need.parent_bytes)}, the ranks {size_text(need.ranks_bytes)}), and "
+                        f"{size_text(memory)} are available")
+    more = need.scratch_bytes - need.written_bytes
+    if more > disk:
+        problems.append(f"at least {size_text(more)} more of scratch disk, and {size_text(disk)} are free")
+    if problems:
+        raise ValueError("this comparison does not fit the machine: it needs " + "; ".join(problems)
+                         + ". Compare fewer steps or configurations, or a smaller model (every run's captures "
+                         "of every step stay on disk until the comparison ends).")
+
+
+def capture_sizes(root: str, runs) -> dict[str, int]:
+    """Each reference run's step-0 capture, in bytes, by label (those that wrote one)."""
+    from ddplab.compare.runners import capture_path
+
+    out = {}
+    for spec in runs:
+        path = capture_path(root, spec.run_id, 0, 0)
+        if os.path.exists(path):
+            out[spec.label] = os.path.getsize(path)
+    return out

@@ -58,6 +58,7 @@ DRIVER = """
 import json, sys, tempfile
 import bench_compare_scale as scale
 from ddplab import compare, launcher
+launcher.launch(lambda: 1, world_size=1)   # the forkserver's socket stays in the usual (short) temp folder
 tempfile.tempdir = sys.argv[1]
 seen = []
 with launcher.observe(lambda run, rec: seen.append(rec)):

@@ -21,7 +21,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -722,7 +721,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
             need = session.footprint()
             if need is not None:
                 if progress is True:
-                    print(need.text(), file=sys.stderr, flush=True)
+                    print(need.text(), flush=True)
                 _footprint.check_fits(need, memory=psutil.virtual_memory().available,
                                       disk=shutil.disk_usage(root).free)
             session.train()

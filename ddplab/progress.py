@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
-__all__ = ["in_batch", "progress_bar", "FileProgress", "read_progress", "PROGRESS_FILE_ENV"]
+__all__ = ["in_batch", "progress_bar", "note", "FileProgress", "read_progress", "PROGRESS_FILE_ENV"]
 
 #: The environment variable naming the batch progress file.
 PROGRESS_FILE_ENV = "DDPLAB_PROGRESS_FILE"
@@ -70,6 +71,14 @@ def progress_bar(total: int, desc: str = ""):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, disable=disable)
+
+
+def note(text: str) -> None:
+    """A line shown with the progress bars, where they are drawn: on stderr beside a text bar or a
+    notebook's widgets; nowhere in a batch run (stderr reads as an error there) or with ``TQDM_DISABLE=1``."""
+    if in_batch() or os.environ.get("TQDM_DISABLE", "") not in ("", "0"):
+        return
+    print(text, file=sys.stderr, flush=True)
 
 
 def read_progress(path: str | os.PathLike) -> dict[str, dict]:

@@ -721,7 +721,8 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
             need = session.footprint()
             if need is not None:
                 if progress is True:
-                    print(need.text(), flush=True)
+                    from ddplab.progress import note
+                    note(need.text())
                 _footprint.check_fits(need, memory=psutil.virtual_memory().available,
                                       disk=shutil.disk_usage(root).free)
             session.train()

@@ -25,14 +25,14 @@ def test_the_footprint_counts_every_run_and_step_and_refuses_with_the_figures():
     # Scratch: 3 steps of the reference runs (500) and of each configuration's ranks: 2 x 100, then
     # 2 x (100 + 100 twin + 200 float64).
     assert need.scratch_bytes == 3 * (500 + 200 + 800) and need.written_bytes == 3 * 500
-    assert need.parent_bytes == 2 * (500 + 2 * 200 + 200)       # two steps of what one configuration reads
-    assert need.ranks_bytes == 2 * 2 * (100 + 100 + 200)        # the three launches at once, state and capture
+    assert need.parent_bytes == 500 + 2 * 200 + 200             # a step of what one configuration reads
+    assert need.ranks_bytes == 2 * (100 + 100 + 200)            # the three launches' captures at once
     apart = footprint.footprint(sizes, 3, [(2, True, True)], alongside=False)
-    assert apart.ranks_bytes == 2 * 2 * 200
+    assert apart.ranks_bytes == 2 * 200
     footprint.check_fits(need, memory=need.memory_bytes, disk=need.scratch_bytes - need.written_bytes)
     with pytest.raises(ValueError, match=r"at least 2\.9 KiB more of scratch disk, and 1\.0 KiB are free"):
         footprint.check_fits(need, memory=10**9, disk=1024)
-    with pytest.raises(ValueError, match=r"at least 2\.1 KiB of memory .* and 100 B are available"):
+    with pytest.raises(ValueError, match=r"at least 1\.1 KiB of memory .* and 100 B are available"):
         footprint.check_fits(need, memory=100, disk=10**9)
 
 

@@ -3,17 +3,16 @@ when the machine lacks it.
 
 Every run writes one capture per step and rank (:mod:`ddplab.compare.captures`). When the
 comparison's first launch returns, the reference runs' captures are on disk: their sizes are
-measured, not guessed. A configuration's rank holds, and writes each step, at least what the
-reference run in the model's dtype holds -- its parameters, gradients and optimizer state -- and
-its float64 run at least what the float64 truth holds. The figures below count only that, so
-they are lower bounds and a refusal is never wrong; what the comparison really uses is larger
-(recorded reductions, DDP's buckets, the analysis's float64 copies: ``bench/bench_compare_scale.py``
-prints both).
+measured, not guessed. A configuration's rank captures, each step, at least what the reference
+run in the model's dtype captures -- full copies of its parameters, gradients and optimizer state
+-- and its float64 run at least what the float64 truth captures. The figures count only that:
+what the comparison really uses is larger (recorded reductions, DDP's buckets, the analysis's
+float64 copies, the models themselves; ``bench/bench_compare_scale.py`` prints both).
 
 * **scratch**: every run's captures of every step, on disk until the comparison ends;
-* **parent**: the analysis reads a step at a time and keeps two steps of what one configuration's
-  evidence reads (every reference run, its ranks, its twin's ranks, its float64 run);
-* **ranks**: each rank holds its model's state and its step's capture, a copy of it; a
+* **parent**: the analysis holds, while it judges a step, that step's captures of every run one
+  configuration's evidence reads (every reference run, its ranks, its twin's ranks, its float64 run);
+* **ranks**: every rank of a launch builds its step's capture in memory before writing it; a
   configuration's twin and float64 run may run alongside it.
 """
 from __future__ import annotations
@@ -72,9 +71,9 @@ def footprint(capture_bytes: dict[str, int], steps: int, configs: list[tuple[int
     for world, twin, float64 in configs:
         step = world * (rank * (1 + twin) + wide * float64)
         scratch += steps * step
-        parent = max(parent, 2 * (refs + world * rank * (1 + twin) + wide * float64))
+        parent = max(parent, refs + world * rank * (1 + twin) + wide * float64)
         launches = [rank] + [rank] * twin + [wide] * float64
-        ranks = max(ranks, world * 2 * (sum(launches) if alongside else max(launches)))
+        ranks = max(ranks, world * (sum(launches) if alongside else max(launches)))
     return Footprint(parent_bytes=parent, ranks_bytes=ranks, scratch_bytes=steps * refs + scratch,
                      written_bytes=steps * refs)
 

@@ -1,11 +1,14 @@
 """Run a comparison: the reference runs, then every configuration, then the referee.
 
-:func:`run` checks the setup and the configurations here (a bad one raises
-ValueError before any process starts), trains the reference runs in one
-process, each configuration on its W ranks (real gloo process groups via
-:func:`ddplab.launch`; where it needs them, its symmetric twin and its float64
-run start alongside it for a small model), and compares every captured step with the float64
-truth (:mod:`ddplab.compare.referee`), localizes the first divergence
+:func:`run` checks the configurations here (a bad one raises ValueError
+before any process starts), tries the setup and trains the reference runs in
+one process (a bad setup raises :class:`SetupError` before any configuration
+starts), states what the comparison needs of the machine
+(:mod:`ddplab.compare.footprint`), trains each configuration on its W ranks
+(real gloo process groups via :func:`ddplab.launch`; where it needs them, its
+symmetric twin and its float64 run start alongside it for a small model), and
+compares every captured step with the float64 truth
+(:mod:`ddplab.compare.referee`), a step at a time, localizes the first divergence
 (:mod:`ddplab.compare.localization`) and returns a :class:`Comparison`:
 the tidy records, one verdict per configuration, the errors of the
 configurations that crashed or hung.
@@ -684,9 +687,11 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     ``progress``: True for one bar per run, False for none, or a callable
     ``fn(config, step, steps)`` called as each step finishes.
 
-    Raises ValueError (a :class:`SetupError` for the setup) before any process
-    starts when the setup or a configuration is unusable, and
-    :class:`ReferenceFailed` when the single-process reference itself fails.
+    Raises ValueError before any process starts when a configuration is
+    unusable, and before any configuration starts when the setup is (a
+    :class:`SetupError`) or the machine cannot hold the comparison
+    (:mod:`ddplab.compare.footprint`); :class:`ReferenceFailed` when the
+    single-process reference itself fails.
 
     Example::
 

@@ -13,6 +13,7 @@ ranks, not with the number of steps.
 from __future__ import annotations
 
 import collections
+import math
 import os
 from collections.abc import Iterator, Sequence
 
@@ -28,41 +29,45 @@ PACKED_NUMEL = 1 << 16
 _PACKED = "__ddplab_packed__"
 
 
+def _walk(x, leaf):
+    """``x`` with every leaf (a packed tensor's marker, or what is not a dict, list or plain tuple)
+    replaced by ``leaf(value)``."""
+    if isinstance(x, dict):
+        return {k: _walk(v, leaf) for k, v in x.items()}
+    if type(x) in (list, tuple) and not _is_packed(x):
+        return type(x)(_walk(v, leaf) for v in x)
+    return leaf(x)
+
+
+def _is_packed(x) -> bool:
+    return type(x) is tuple and len(x) == 4 and x[0] == _PACKED
+
+
+def _packable(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.numel() <= PACKED_NUMEL and x.layout == torch.strided
+
+
 def save_capture(data: dict, path: str) -> None:
     """Write ``data`` (dicts, lists and tuples of tensors and plain values) to ``path`` atomically,
     every small tensor (:data:`PACKED_NUMEL`) a slice of one buffer per dtype: :func:`read_capture`
     gives it back as views into those buffers."""
+    small: list[torch.Tensor] = []
+    _walk(data, lambda x: small.append(x) if _packable(x) else None)
     sizes: dict[torch.dtype, int] = collections.Counter()
-
-    def count(x):
-        if isinstance(x, torch.Tensor):
-            if x.numel() <= PACKED_NUMEL and x.layout == torch.strided:
-                sizes[x.dtype] += x.numel()
-        elif isinstance(x, dict):
-            for v in x.values():
-                count(v)
-        elif type(x) in (list, tuple):
-            for v in x:
-                count(v)
-
-    count(data)
+    for t in small:
+        sizes[t.dtype] += t.numel()
     buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
     used: dict[torch.dtype, int] = collections.Counter()
 
     def pack(x):
-        if isinstance(x, torch.Tensor) and x.dtype in buffers and x.numel() <= PACKED_NUMEL \
-                and x.layout == torch.strided:
-            start = used[x.dtype]
-            used[x.dtype] = start + x.numel()
-            buffers[x.dtype][start:start + x.numel()].copy_(x.detach().reshape(-1))
-            return (_PACKED, str(x.dtype).removeprefix("torch."), start, tuple(x.shape))
-        if isinstance(x, dict):
-            return {k: pack(v) for k, v in x.items()}
-        if type(x) in (list, tuple):
-            return type(x)(pack(v) for v in x)
-        return x
+        if not _packable(x):
+            return x
+        start = used[x.dtype]
+        used[x.dtype] = start + x.numel()
+        buffers[x.dtype][start:start + x.numel()].copy_(x.detach().reshape(-1))
+        return (_PACKED, str(x.dtype).removeprefix("torch."), start, tuple(x.shape))
 
-    skeleton = pack(data)
+    skeleton = _walk(data, pack)
     torch.save({_PACKED: {str(d).removeprefix("torch."): b for d, b in buffers.items()}, "data": skeleton},
                path + ".tmp")
     os.replace(path + ".tmp", path)  # a capture that exists is complete
@@ -78,19 +83,12 @@ def read_capture(path: str, mmap: bool = True) -> dict:
     buffers = stored[_PACKED]
 
     def unpack(x):
-        if type(x) is tuple and len(x) == 4 and x[0] == _PACKED:
-            _, dtype, start, shape = x
-            n = 1
-            for size in shape:
-                n *= size
-            return buffers[dtype][start:start + n].view(shape)
-        if isinstance(x, dict):
-            return {k: unpack(v) for k, v in x.items()}
-        if type(x) in (list, tuple):
-            return type(x)(unpack(v) for v in x)
-        return x
+        if not _is_packed(x):
+            return x
+        _, dtype, start, shape = x
+        return buffers[dtype][start:start + math.prod(shape)].view(shape)
 
-    return unpack(stored["data"])
+    return _walk(stored["data"], unpack)
 
 
 #: What an evidence source yields: its records of each step in turn, one list per step (then, at most,

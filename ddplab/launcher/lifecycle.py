@@ -193,6 +193,7 @@ class Launch:
         self._last_record: dict[int, dict] = {}
         self._failures: list[RankFailure] = []
         self._t0 = 0.0
+        self._extended = 0.0     # seconds added to the deadline (:meth:`extend`)
         self._stop_requested = threading.Event()
         self._started_ranks: set[int] = set()
         self._bar = None
@@ -258,6 +259,11 @@ class Launch:
             except OSError:
                 pass
 
+    def extend(self, seconds: float) -> None:
+        """Move the deadline ``seconds`` later (safe from any thread): time the ranks spent waiting
+        for the parent, not hanging (a comparison's ranks wait while it judges their steps)."""
+        self._extended += max(0.0, float(seconds))
+
     def wait(self) -> LaunchResult:
         """Block until every rank returned; raise a :class:`LaunchError` otherwise."""
         if not self._procs:
@@ -314,9 +320,9 @@ class Launch:
         sentinel_rank = {p.sentinel: r for r, p in enumerate(self._procs)}
         open_conns = set(conn_rank)
         exited: set[int] = set()
-        deadline = self._t0 + self.timeout
         while len(self._returned) < self.world_size:
             now = time.perf_counter()
+            deadline = self._t0 + self.timeout + self._extended
             if self._failures:
                 grace_end = self._failures[0].seen + FAILURE_GRACE
                 if now >= grace_end or len(exited) == self.world_size:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import collections
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 __all__ = ["CaptureCache", "Captures", "count_steps", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
-           "read_capture", "PACKED_NUMEL"]
+           "read_capture", "PACKED_NUMEL", "has_step", "common_steps"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
@@ -47,25 +47,101 @@ def _packable(x) -> bool:
     return isinstance(x, torch.Tensor) and x.numel() <= PACKED_NUMEL and x.layout == torch.strided
 
 
+#: The integer dtype of each element size: what a tensor is viewed as to compare it bit by bit.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor | None:
+    """``x``'s elements as integers of their size (a view, whatever its strides), or None for a tensor
+    that is never merged with another (a subclass, a meta, quantized, conjugated or negated view)."""
+    # Bits, not values: as floats -0.0 == 0.0 and NaN != NaN, yet a capture must give back exactly what
+    # was written (the comparison tells -0.0 from 0.0 and one NaN payload from another), and a NaN
+    # tensor written three times is still one tensor's bytes.
+    if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided or x.is_meta \
+            or x.is_quantized or x.is_conj() or x.is_neg():
+        return None
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)           # complex128 has no 16-byte integer: its two float64 halves
+    dtype = _BITS.get(x.element_size())
+    if dtype is None:
+        return None
+    try:
+        return x.view(dtype)                # same element size: a view, no copy, any strides
+    except RuntimeError:
+        return None
+
+
+def _probe(bits: torch.Tensor) -> tuple:
+    """The bits of a few elements (first, middle, last): two tensors that differ there are not
+    compared whole, so a capture of many distinct tensors of one shape costs no pairwise scans."""
+    picked = []
+    for k in (0, bits.numel() // 2, bits.numel() - 1):
+        index = []
+        for size in reversed(bits.shape):   # the k-th element in row-major order, whatever the strides
+            k, i = divmod(k, size)
+            index.append(i)
+        picked.append(bits[tuple(reversed(index))])
+    return tuple(torch.stack(picked).tolist())   # one transfer (one sync on a GPU)
+
+
+def _twins(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """For each large tensor of ``tensors`` (distinct objects) whose bits an earlier one repeats:
+    ``id(tensor) -> the earlier one``. Tensors are compared whole only within a group of the same
+    type, dtype, shape, device, requires_grad and probed bits."""
+    groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    same: dict[int, torch.Tensor] = {}
+    for x in tensors:
+        bits = _bits(x)
+        if bits is None:
+            continue
+        # type and requires_grad too: the tensor stored in a twin's place is what reads back there
+        key = (type(x), x.dtype, x.shape, x.device, x.requires_grad, _probe(bits))
+        kept = groups.setdefault(key, [])
+        for kept_bits, first in kept:
+            if torch.equal(bits, kept_bits):    # integers: equal exactly when the bits are
+                same[id(x)] = first
+                break
+        else:
+            kept.append((bits, x))
+    return same
+
+
 def save_capture(data: dict, path: str) -> None:
-    """Write ``data`` (dicts, lists and tuples of tensors and plain values) to ``path`` atomically,
-    every small tensor (:data:`PACKED_NUMEL`) a slice of one buffer per dtype: :func:`read_capture`
-    gives it back as views into those buffers."""
+    """Write ``data`` (dicts, lists and tuples of tensors and plain values) to ``path`` atomically:
+    every small tensor (:data:`PACKED_NUMEL`) a slice of one buffer per dtype, and the bytes of each
+    distinct large tensor once (a tensor object met twice, or large tensors of the same dtype, shape
+    and bits: DDP's bucket, its hook's result and the all-reduce's output are often three clones)."""
     small: list[torch.Tensor] = []
-    _walk(data, lambda x: small.append(x) if _packable(x) else None)
+    large: list[torch.Tensor] = []
+    seen: set[int] = set()                  # a tensor object met again is stored once, never compared
+
+    def sort(x):
+        if isinstance(x, torch.Tensor) and id(x) not in seen:
+            seen.add(id(x))
+            (small if _packable(x) else large).append(x)
+
+    _walk(data, sort)
+    # torch.save writes each storage once, so a twin written as the first tensor costs no bytes
+    same = _twins(large)
     sizes: dict[torch.dtype, int] = collections.Counter()
     for t in small:
         sizes[t.dtype] += t.numel()
     buffers = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
     used: dict[torch.dtype, int] = collections.Counter()
+    markers: dict[int, tuple] = {}
 
     def pack(x):
-        if not _packable(x):
+        if not isinstance(x, torch.Tensor):
             return x
-        start = used[x.dtype]
-        used[x.dtype] = start + x.numel()
-        buffers[x.dtype][start:start + x.numel()].copy_(x.detach().reshape(-1))
-        return (_PACKED, str(x.dtype).removeprefix("torch."), start, tuple(x.shape))
+        if not _packable(x):
+            return same.get(id(x), x)
+        if id(x) not in markers:
+            start = used[x.dtype]
+            used[x.dtype] = start + x.numel()
+            buffers[x.dtype][start:start + x.numel()].copy_(x.detach().reshape(-1))
+            markers[id(x)] = (_PACKED, str(x.dtype).removeprefix("torch."), start, tuple(x.shape))
+        return markers[id(x)]
 
     skeleton = _walk(data, pack)
     torch.save({_PACKED: {str(d).removeprefix("torch."): b for d, b in buffers.items()}, "data": skeleton},
@@ -75,6 +151,8 @@ def save_capture(data: dict, path: str) -> None:
 
 def read_capture(path: str, mmap: bool = True) -> dict:
     """What :func:`save_capture` wrote to ``path`` (memory-mapped: only the parts read are loaded).
+    Tensors may share memory: small ones are views of one buffer per dtype, and every place a large
+    tensor's bits were written holds one tensor, so callers must not modify what they read in place.
     Files this comparison's own ranks wrote into its private scratch folder: trusted, so read with the
     plain unpickler (the weights-only one is several times slower on many small records)."""
     stored = torch.load(path, weights_only=False, mmap=mmap)
@@ -96,19 +174,39 @@ def read_capture(path: str, mmap: bool = True) -> dict:
 StepRecords = Iterator[list]
 
 
-def in_step(*sources: StepRecords) -> list[list[dict]]:
+def in_step(*sources: StepRecords, judged: Callable[[int], None] | None = None) -> list[list[dict]]:
     """Each source's records, the sources advanced together one step at a time: the captures of a
     step are read once, while the cache holds them, and every source has used them before the next
-    step is read. A source that ends early drops out."""
+    step is read. A source that ends early drops out. ``judged(step)`` is called once every source
+    has had that step (:meth:`ddplab.compare.streaming.Pass.judged`)."""
     out: list[list[dict]] = [[] for _ in sources]
     live = dict(enumerate(sources))
+    step = 0
     while live:
         for index, source in list(live.items()):
             try:
                 out[index] += next(source)
             except StopIteration:
                 del live[index]
+        if judged is not None:
+            judged(step)
+        step += 1
     return out
+
+
+def has_step(captures: Sequence, step: int) -> bool:
+    """Does ``captures`` have step ``step``? A sequence that is still being written
+    (:class:`ddplab.compare.streaming.LiveCaptures`) waits to know."""
+    has = getattr(captures, "has", None)
+    return has(step) if has is not None else 0 <= step < len(captures)
+
+
+def common_steps(*captures: Sequence) -> Iterator[int]:
+    """Steps 0, 1, ... while every one of ``captures`` has the step (:func:`has_step`)."""
+    step = 0
+    while all(has_step(c, step) for c in captures):
+        yield step
+        step += 1
 
 
 def count_steps(root: str, run_id: str, steps: int, rank: int) -> int:
@@ -150,7 +248,7 @@ class CaptureCache:
             return self._items[key]
         self.reads += 1
         path = capture_path(root, run_id, step, rank)
-        value = read_capture(path)
+        value = read_capture(path, mmap=False)
         self._items[key] = value
         self._bytes[key] = os.path.getsize(path)
         while len(self._items) > self.size and sum(self._bytes.values()) > self.spare_bytes:
@@ -158,9 +256,16 @@ class CaptureCache:
             del self._bytes[oldest]
         return value
 
-    def forget(self, run_id: str | None = None) -> None:
-        """Drop every capture (of ``run_id`` only, when given)."""
-        for key in [k for k in self._items if run_id is None or k[1] == run_id]:
+    def keep_only(self, run_id: str, step: int, keys) -> None:
+        """Of ``run_id``'s captures of ``step``, keep only ``keys``: what a later step still reads
+        (the replay starts the next step from this one's parameters and optimizer state)."""
+        for key in [k for k in self._items if k[1] == run_id and k[3] == step]:
+            self._items[key] = {name: value for name, value in self._items[key].items() if name in keys}
+
+    def forget(self, run_id: str | None = None, before: int | None = None) -> None:
+        """Drop every capture (of ``run_id`` only, when given; of its steps before ``before`` only)."""
+        for key in [k for k in self._items if (run_id is None or k[1] == run_id)
+                    and (before is None or k[3] < before)]:
             del self._items[key], self._bytes[key]
 
 

@@ -1,0 +1,94 @@
+"""A capture stores each distinct large tensor's bytes once: clones of equal bits (DDP's bucket, its
+hook's result, the all-reduce's output) are written once, and everything reads back bit for bit."""
+import os
+
+import torch
+
+from ddplab.compare.captures import PACKED_NUMEL, read_capture, save_capture
+
+N = 200_000                                  # large: beyond PACKED_NUMEL, so not packed
+assert N > PACKED_NUMEL
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    # compared as integers: -0.0 == 0.0 and NaN != NaN as floats
+    return t.view(_INT[t.element_size()])
+
+
+def _same_bits(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(_bits(a), _bits(b)))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_bits, a, b))
+    return a == b
+
+
+def _round_trip(tmp_path, data, name="capture.pt"):
+    path = str(tmp_path / name)
+    save_capture(data, path)
+    assert not os.path.exists(path + ".tmp")
+    return read_capture(path), os.path.getsize(path)
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_clones_of_equal_bits_are_stored_once_and_read_back_bit_for_bit(tmp_path):
+    t, other = torch.randn(N), torch.randn(N)
+    data = {"result": t, "hook": t.clone(), "out": t.clone(), "local": other}
+    back, size = _round_trip(tmp_path, data)
+    distinct = _nbytes(t, other)
+    assert distinct < size < distinct + 64 * 1024
+    for key in data:
+        assert torch.equal(back[key].view(torch.int32), data[key].view(torch.int32))
+
+
+def test_minus_zero_and_nan_payloads_are_not_merged_with_their_equal_values(tmp_path):
+    zero = torch.zeros(N)
+    minus = torch.zeros(N)
+    minus[1] = -0.0                          # equal as values, not as bits; away from the probed elements
+    nan = torch.full((N,), float("nan"))
+    payload = nan.clone()
+    payload.view(torch.int32)[1] = 0x7FC00001   # another quiet NaN
+    data = {"zero": zero, "minus": minus, "nan": nan, "payload": payload, "nan_again": nan.clone()}
+    back, size = _round_trip(tmp_path, data)
+    assert _same_bits(data, back)
+    distinct = _nbytes(zero, minus, nan, payload)    # a NaN equals itself when its bits do
+    assert distinct < size < distinct + 64 * 1024
+
+
+def test_equal_bits_of_another_shape_dtype_or_kind_are_not_merged(tmp_path):
+    t = torch.randn(N)
+    data = {"flat": t, "square": t.clone().view(400, N // 400), "ints": t.clone().view(torch.int32),
+            "param": torch.nn.Parameter(t.clone()), "grad": t.clone().requires_grad_()}
+    back, _ = _round_trip(tmp_path, data)
+    assert _same_bits(data, back)
+    assert back["square"].shape == (400, N // 400) and back["ints"].dtype == torch.int32
+    assert back["grad"].requires_grad and not back["flat"].requires_grad
+
+
+def test_a_non_contiguous_large_tensor_reads_back_equal(tmp_path):
+    t = torch.randn(500, N // 500).t()
+    data = {"t": t, "strided": t.clone(), "contiguous": t.contiguous(), "other": torch.randn(N // 500, 500).t()}
+    assert not t.is_contiguous()
+    back, size = _round_trip(tmp_path, data)
+    assert _same_bits(data, back)
+    assert size < _nbytes(t, data["other"]) + 64 * 1024
+
+
+def test_tensors_in_lists_tuples_and_nested_dicts_and_objects_met_twice(tmp_path):
+    t, small = torch.randn(N), torch.randn(10)
+    data = {"collectives": [{"op": "allreduce", "tensors": {"inputs": [t, small], "outputs": (t.clone(), small)}},
+                            {"op": "broadcast", "tensors": {"inputs": [t.clone().double()]}}],
+            "buckets": ({"result": t.clone(), "grads": [small.clone(), t]},), "step": 3, "loss": None}
+    back, size = _round_trip(tmp_path, data)
+    assert _same_bits(data, back)
+    assert size < _nbytes(t, t.double()) + 64 * 1024
+    inputs = back["collectives"][0]["tensors"]["inputs"]
+    again = back["collectives"][0]["tensors"]["outputs"][1]
+    assert inputs[1].data_ptr() == again.data_ptr()     # one small object met twice: one packed slice

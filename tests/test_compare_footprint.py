@@ -19,37 +19,46 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench
        "TQDM_DISABLE": "1"}
 
 
-def test_the_footprint_counts_every_run_and_step_and_refuses_with_the_figures():
+def test_the_footprint_counts_two_steps_of_a_pass_and_refuses_with_the_figures():
     sizes = {"reference": 100, "truth": 200, "promise W=2": 200}
     need = footprint.footprint(sizes, 3, [(2, False, False), (2, True, True)], alongside=True)
-    # Scratch: 3 steps of the reference runs (500) and of each configuration's ranks: 2 x 100, then
-    # 2 x (100 + 100 twin + 200 float64).
-    assert need.scratch_bytes == 3 * (500 + 200 + 800) and need.written_bytes == 3 * 500
-    assert need.parent_bytes == 500 + 2 * 200 + 200             # a step of what one configuration reads
-    assert need.ranks_bytes == 2 * (100 + 100 + 200)            # the three launches' captures at once
+    # A pass: the truth and the reference beside the configuration's ranks (2 x 100), and with its
+    # twin and float64 run alongside, 2 x (100 + 200) more. Two of its steps on disk, whatever the steps.
+    assert need.parent_bytes == 100 + 200 + 2 * 100 + 2 * (100 + 200)
+    assert need.scratch_bytes == 2 * need.parent_bytes
+    assert footprint.footprint(sizes, 30, [(2, True, True)], alongside=True) == \
+        footprint.footprint(sizes, 3, [(2, True, True)], alongside=True)            # flat in steps
+    assert footprint.footprint(sizes, 1, [(2, False, False)], alongside=True).scratch_bytes == 500
+    assert need.ranks_bytes == 2 * (100 + 100 + 200) + 200      # the three launches' captures and the truth's
     apart = footprint.footprint(sizes, 3, [(2, True, True)], alongside=False)
-    assert apart.ranks_bytes == 2 * 200
-    footprint.check_fits(need, memory=need.memory_bytes, disk=need.scratch_bytes - need.written_bytes)
-    with pytest.raises(ValueError, match=r"at least 2\.9 KiB more of scratch disk, and 1\.0 KiB are free"):
+    assert apart.parent_bytes == max(100 + 200 + 2 * 100, 2 * (100 + 200) + 200)   # the run's pass, then the variants'
+    assert apart.ranks_bytes == 2 * 200 + 200
+    footprint.check_fits(need, memory=need.memory_bytes, disk=need.scratch_bytes)
+    with pytest.raises(ValueError, match=r"at least 2\.1 KiB of scratch disk, and 1\.0 KiB are free"):
         footprint.check_fits(need, memory=10**9, disk=1024)
     with pytest.raises(ValueError, match=r"at least 1\.1 KiB of memory .* and 100 B are available"):
         footprint.check_fits(need, memory=100, disk=10**9)
 
 
-def test_what_a_comparison_needs_is_stated_and_never_more_than_it_writes(no_leftovers, monkeypatch):
-    written = {}
-    analyse = comparison._Session.analyse
+def test_what_a_comparison_needs_is_stated_and_never_more_than_it_holds(no_leftovers, monkeypatch):
+    from ddplab.compare import streaming
 
-    def measured(self, *args, **kwargs):     # the scratch once every run trained, before any is read
-        written.setdefault("bytes", sum(os.path.getsize(os.path.join(base, f))
-                                        for base, _, files in os.walk(self.root) for f in files))
-        return analyse(self, *args, **kwargs)
+    held, steps_on_disk = [], []
+    judged = streaming.Pass.judged
 
-    monkeypatch.setattr(comparison._Session, "analyse", measured)
+    def measured(self, step):       # before step - 1 is deleted: two steps of every run are on disk
+        files = [(base, f) for base, _, names in os.walk(self.root) for f in names if f.endswith(".pt")]
+        held.append(sum(os.path.getsize(os.path.join(base, f)) for base, f in files))
+        steps_on_disk.append(max((len({f[:7] for b, f in files if b == base}) for base, _ in files), default=0))
+        return judged(self, step)
+
+    monkeypatch.setattr(streaming.Pass, "judged", measured)
     custom = compare.Custom(2, k=2, train_step=examples.accumulate_correctly)   # with its twin and float64 run
-    result = compare.run(examples.digits_setup(0, steps=2), [compare.DDP(2), custom], progress=False)
+    result = compare.run(examples.digits_setup(0, steps=6), [compare.DDP(2), custom], progress=False)
     need = result.footprint
-    assert 0 < need.written_bytes < need.scratch_bytes <= written["bytes"]
+    assert 0 < need.scratch_bytes <= max(held)
+    # Flat in steps: no run ever had more than a few of its 6 steps on disk.
+    assert 2 <= max(steps_on_disk) <= streaming.LAG + 2, steps_on_disk
     stated = result.records[result.records["metric"] == "expected_scratch_bytes"]
     assert stated["value"].tolist() == [need.scratch_bytes]
 
@@ -72,12 +81,13 @@ with launcher.observe(lambda run, rec: seen.append(rec)):
 
 @needs_mount
 def test_a_comparison_whose_scratch_cannot_fit_the_disk_is_refused_before_any_configuration(tmp_path):
-    # 180K parameters, 3 steps: the reference runs write about 22 MB, the configuration at least 9 MB more.
+    # 180K parameters (0.7 MB): a pass of DDP(2) holds two steps of the truth (2.9 MB each), the reference
+    # and the two ranks (1.4 MB each) at least: 14 MB, and 12 MiB are free.
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     disk = tmp_path / "disk"
-    proc = on_tmpfs(disk, "size=26m", [sys.executable, str(driver), str(disk)], cwd=tmp_path, env=ENV)
+    proc = on_tmpfs(disk, "size=12m", [sys.executable, str(driver), str(disk)], cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen["refused"] and "more of scratch disk" in seen["refused"], seen
+    assert seen["refused"] and "of scratch disk" in seen["refused"], seen
     assert not seen["configuration_ran"]

@@ -1,31 +1,35 @@
-"""Run a comparison: the reference runs, then every configuration, then the referee.
+"""Run a comparison: each configuration beside its reference runs, judged as it trains.
 
 :func:`run` checks the configurations here (a bad one raises ValueError
-before any process starts), tries the setup and trains the reference runs in
-one process (a bad setup raises :class:`SetupError` before any configuration
-starts), states what the comparison needs of the machine
-(:mod:`ddplab.compare.footprint`), trains each configuration on its W ranks
-(real gloo process groups via :func:`ddplab.launch`; where it needs them, its
-symmetric twin and its float64 run start alongside it for a small model), and
-compares every captured step with the float64 truth
-(:mod:`ddplab.compare.referee`), a step at a time, localizes the first divergence
-(:mod:`ddplab.compare.localization`) and returns a :class:`Comparison`:
-the tidy records, one verdict per configuration, the errors of the
-configurations that crashed or hung.
+before any process starts), tries the setup and trains the first step of the
+reference runs in one process (a bad setup raises :class:`SetupError` before
+any configuration starts), states what the comparison needs of the machine
+(:mod:`ddplab.compare.footprint`), then runs one *pass* per configuration
+(:mod:`ddplab.compare.streaming`): its W ranks (real gloo process groups via
+:class:`ddplab.launcher.Launch`), the reference runs it is judged against
+in one process beside them and, where it needs them, its symmetric twin and
+its float64 run (alongside for a small model, in a second pass otherwise).
+The parent judges every step as the runs write it -- the referee's distances
+from the float64 truth (:mod:`ddplab.compare.referee`), the audits, the
+replay, the twin, float64 -- localizes the first divergence there
+(:mod:`ddplab.compare.localization`) and deletes what no source reads again:
+the scratch folder and the parent's memory hold a few steps, whatever the
+number of steps. It returns a :class:`Comparison`: the tidy records, one
+verdict per configuration, the errors of the configurations that crashed or
+hung.
 
 A configuration that crashes or hangs does not stop the others: its verdict
 says so (rank, exception, traceback) and the steps it finished are still
 compared. :func:`ddplab.launcher.stop_all` ends the running launch; the
-comparison then keeps what was captured so far and runs nothing more.
+comparison then keeps what was judged so far and runs nothing more.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
+import os
 import shutil
 import tempfile
-import threading
 import time
 from typing import Callable
 
@@ -36,7 +40,8 @@ from ddplab import launcher as _launcher
 from ddplab import records as _records
 from ddplab.compare import finite as _finite
 from ddplab.compare import recorded as _recorded
-from ddplab.compare.captures import CaptureCache, Captures, StepRecords, in_step
+from ddplab.compare.captures import CaptureCache, StepRecords, common_steps, has_step, in_step
+from ddplab.compare.streaming import LAG, Pass
 from ddplab.compare import data as _data
 from ddplab.compare import float64_run as _float64
 from ddplab.compare import footprint as _footprint
@@ -202,46 +207,50 @@ def _unit(spec: RunSpec, dtype: torch.dtype) -> float:
     return unit_roundoff(spec.param_dtype or spec.dtype or dtype)
 
 
-def _reference_records(cache: CaptureCache, root: str, runs: list[RunSpec], steps: int,
-                       dtype: torch.dtype) -> tuple[list[dict], dict]:
-    caps = {spec.run_id: Captures.on_disk(cache, root, spec.run_id, 0, steps) for spec in runs}
+def _reference_records(caps: dict, runs: list[RunSpec], dtype: torch.dtype) -> StepRecords:
+    """The referee's distances of each single-process run in ``runs`` (not the truth, not a promise:
+    those are judged per configuration) from the truth, per step."""
+    judged = [spec for spec in runs if spec.label != "truth" and spec.world_size == 1 and spec.k == 1]
+    if not judged:
+        return
     truth = caps["truth"]
-    recs = []
-    for spec in runs:
-        if spec.label == "truth" or spec.world_size > 1 or spec.k > 1:  # the promises are judged per configuration
-            continue
-        for step, cap in enumerate(caps[spec.run_id][:len(truth)]):
+    for step in common_steps(truth, *(caps[spec.run_id] for spec in judged)):
+        recs = []
+        for spec in judged:
+            cap = caps[spec.run_id][step]
             for quantity in _referee.QUANTITIES:
                 key = quantity + "s"
                 recs += _referee.distance_records(step, quantity, truth[step][key], cap[key], cap[key],
                                                   None, config=spec.label, band_label=spec.label,
                                                   unit_roundoff=_unit(spec, dtype))
-    return recs, caps
-
-
-def _config_steps(config: Configuration, ranks: list[list[dict]], caps: dict,
-                  band: RunSpec, dtype: torch.dtype) -> StepRecords:
-    """The referee's distances of every rank from the truth, the band run and the reference, per step."""
-    truth, ref, matched = caps["truth"], caps["reference"], caps[band.run_id]
-    for step in range(min([len(ranks[0]), len(truth), len(ref), len(matched)])):
-        recs = []
-        for quantity in _referee.QUANTITIES:
-            key = quantity + "s"
-            others = {r: ranks[r][step][key] for r in range(1, config.world_size) if step < len(ranks[r])}
-            recs += _referee.distance_records(step, quantity, truth[step][key], matched[step][key],
-                                              ranks[0][step][key], ref[step][key], config=config.label,
-                                              others=others, band_label=band.label,
-                                              unit_roundoff=_unit(band, dtype))
         yield recs
 
 
-def _reduction_steps(config: Configuration, ranks: list[list[dict]]) -> StepRecords:
+def _config_steps(config: Configuration, ranks: list, caps: dict, band: RunSpec, dtype: torch.dtype,
+                  seen: list[dict]) -> StepRecords:
+    """The referee's distances of every rank from the truth, the band run and the reference, per step
+    (also appended to ``seen``, which localization reads as the steps are judged)."""
+    truth, ref, matched = caps["truth"], caps["reference"], caps[band.run_id]
+    for step in common_steps(ranks[0], truth, ref, matched):
+        recs = []
+        others = {r: ranks[r][step] for r in range(1, config.world_size) if has_step(ranks[r], step)}
+        for quantity in _referee.QUANTITIES:
+            key = quantity + "s"
+            recs += _referee.distance_records(step, quantity, truth[step][key], matched[step][key],
+                                              ranks[0][step][key], ref[step][key], config=config.label,
+                                              others={r: cap[key] for r, cap in others.items()},
+                                              band_label=band.label, unit_roundoff=_unit(band, dtype))
+        seen += recs
+        yield recs
+
+
+def _reduction_steps(config: Configuration, ranks: list) -> StepRecords:
     """The referee's measure of every captured DDP bucket: its result against gloo's ring order
     applied to the W ranks' contributions (bit for bit), per step; nothing without captured buckets."""
     from ddplab.numerics import error_records
     from ddplab.numerics.orders import DDP_AVERAGING
 
-    for step in range(min(len(r) for r in ranks)):
+    for step in common_steps(*ranks):
         if "buckets" not in ranks[0][step]:
             return
         out = []
@@ -293,24 +302,27 @@ def own_evidence(setup: Setup, config: Configuration,
     return _replay.reduction_emulation(getattr(config, "comm_hook", None)) is None
 
 
-def _float64_precision(config: Configuration, run: list[dict]) -> torch.dtype | None:
+def _float64_precision(config: Configuration, first: list[dict]) -> torch.dtype | None:
     """The lowest precision the float64 run still computed in: the configuration's own mixed
-    precision, its compression hook, the dtypes its modules returned and its reductions ran in."""
+    precision, its compression hook, the dtypes its modules returned and its reductions ran in
+    (``first``: its first step's captures; the tolerance holds for every step)."""
     names = [str(d).replace("torch.", "") for d in config.dtypes() if d is not None]
     if _compression(config):
         names.append(_compression(config))
-    names += sorted(_recorded.reduction_dtypes(run))
-    for cap in run:
+    names += sorted(_recorded.reduction_dtypes(first))
+    for cap in first:
         names += list(cap.get("forward_dtypes", []))
     return _float64.lowest_precision(names)
 
 
-def _float64_records(setup: Setup, config: Configuration, run: list[dict], caps: dict) -> StepRecords:
+def _float64_records(setup: Setup, config: Configuration, run, caps: dict) -> StepRecords:
     """The configuration's own code in float64 against the float64 truth (:mod:`ddplab.compare.float64_run`)."""
-    low = _float64_precision(config, run)
+    if not has_step(run, 0):
+        return
+    low = _float64_precision(config, [run[0]])
     tolerance = _float64.precision_tolerance(low, config.world_size)
     judged_at = str(low).replace("torch.", "") if low is not None else "float64"
-    return _float64.distance_records("float64", setup, config, run, caps, tolerance, judged_at=judged_at)
+    yield from _float64.distance_records("float64", setup, config, run, caps, tolerance, judged_at=judged_at)
 
 
 def _detected_precision(config: Configuration, ranks: list[list[dict]], dtype: torch.dtype) -> tuple | None:
@@ -341,13 +353,14 @@ class _ReferenceTrainingFailed(RuntimeError):
 
 def _first_worker(setup: Setup, steps: int | None, configs: list[Configuration], root: str) -> dict:
     """Rank 0 of a comparison's first launch: try the setup (:func:`check_setup`), refuse what the
-    configurations cannot run on it (a mesh plan, per-rank batches), then train every reference run.
-    One process for all of it: a launch's start and rendezvous are most of a small comparison's cost."""
+    configurations cannot run on it (a mesh plan, per-rank batches), then train the first step of
+    every reference run: its captures' sizes are what :mod:`ddplab.compare.footprint` counts. One
+    process for all of it: a launch's start and rendezvous are most of a small comparison's cost."""
     facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
     _meshes.check_plans(setup, configs)
     _data.check_rank_batches(setup, facts["steps"], configs)
     try:
-        train_references(setup, reference_runs(configs, promises=not facts["random"]), facts["steps"], root)
+        train_references(setup, reference_runs(configs, promises=not facts["random"]), 1, root)
     except SetupError:
         raise
     except Exception as exc:  # noqa: BLE001 - told apart from the setup's check in the parent
@@ -358,7 +371,7 @@ def _first_worker(setup: Setup, steps: int | None, configs: list[Configuration],
 def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], root: str, timeout: float,
                  on_record: Callable | None = None) -> dict:
     """:func:`_first_worker` in a process of its own within ``timeout`` seconds: the setup's facts
-    (:func:`check_setup`), with the reference runs' captures under ``root``.
+    (:func:`check_setup`), with the reference runs' first captures under ``root``.
 
     The user's callables (``model()``, the batches, the loss, the optimizer) run there first: one
     that hangs is stopped at the timeout and named by where it was; one that raises is a
@@ -411,16 +424,9 @@ def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], 
     return facts
 
 
-#: A variant launch stopped with the comparison (not a failure of the variant).
-_STOPPED = object()
-
-
-class _Cancelled(Exception):
-    """A launch of this comparison that was stopped before it started."""
-
-
 class _Session:
-    """One comparison's launches and analysis inside its scratch folder ``root``."""
+    """One comparison's passes inside its scratch folder ``root``: each configuration is trained and
+    judged at once, a step at a time (:mod:`ddplab.compare.streaming`)."""
 
     def __init__(self, setup: Setup, configs: list[Configuration], facts: dict, runs: list[RunSpec],
                  root: str, timeout: float, on_record: Callable):
@@ -428,117 +434,216 @@ class _Session:
         self.root, self.timeout, self.on_record = root, timeout, on_record
         self.steps = facts["steps"]
         self.statuses: dict[str, tuple[str, BaseException | None]] = {}
-        self.variants: dict[tuple[str, str], str | None] = {}   # (config, variant) -> why it failed, or None
         self.stopped = False
-        self._lock = threading.Lock()
-        self._running: dict[str, _launcher.Launch] = {}   # run id -> its launch, while it runs
-        self._cancelled: set[str] = set()
         self._reads: dict[int, bool] = {}                  # world size -> the loss reads the process group
+        self._recorded: set[str] = set()                   # reference runs whose records are in
         # What the evidence sources read at one step (:func:`in_step`): every rank's capture of it and of
-        # the step before (the replay's start), the twin's ranks, the float64 run, every reference run
-        # (and one in a precision a configuration shows). The parent holds these few, whatever the steps.
+        # the step before (the replay's start), the twin's ranks, the float64 run, the reference runs of
+        # the pass. The parent holds these few, whatever the steps.
         world = max(c.world_size for c in configs)
         self.cache = CaptureCache(3 * world + 1 + len(runs) + 1)
 
-    def captures(self, run_id: str, rank: int, steps: int | None = None) -> Captures:
-        """Rank ``rank``'s captures of ``run_id``, read when a step is needed."""
-        return Captures.on_disk(self.cache, self.root, run_id, rank, self.steps if steps is None else steps)
+    # -- one configuration ----------------------------------------------------------------------
 
-    def references(self, runs: list[RunSpec]) -> None:
-        """The single-process runs; a failure there leaves nothing to compare with."""
-        try:
-            _launcher.launch(reference_worker, world_size=1,
-                             args=(self.setup, runs, self.steps, self.root, self.facts["digest"]),
-                             timeout=self.timeout, on_record=self.on_record)
-        except _launcher.LaunchStopped:
-            self.stopped = True
-        except _launcher.RankFailed as err:
-            if err.exc_type == "SetupError":
-                raise SetupError(str(err).splitlines()[0].split("SetupError: ", 1)[-1]) from err
-            raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
-                                  f"compare with:\n{err}") from err
-        except _launcher.LaunchError as err:
-            raise ReferenceFailed(f"the single-process reference failed, so there is nothing to "
-                                  f"compare with:\n{err}") from err
-
-    def _launch(self, config: Configuration, run_id: str, variant: str) -> None:
-        runner = _launcher.Launch(configuration_worker, world_size=config.world_size,
-                                  args=(self.setup, config, self.steps, self.root, run_id, self.facts["digest"],
-                                        variant),
-                                  timeout=config.timeout or self.timeout,
-                                  on_record=self.on_record if variant == "run" else None)
-        with self._lock:
-            if run_id in self._cancelled:
-                raise _Cancelled(run_id)
-            self._running[run_id] = runner
-        try:
-            runner.start().wait()
-        finally:
-            with self._lock:
-                self._running.pop(run_id, None)
-
-    def _cancel(self, run_ids) -> None:
-        """Stop these launches of this comparison, running or yet to start (and no other launch)."""
-        with self._lock:
-            self._cancelled.update(run_ids)
-            running = [self._running[r] for r in run_ids if r in self._running]
-        for runner in running:
-            runner.stop()
-
-    def configuration(self, index: int, config: Configuration) -> None:
-        """Run ``config`` as given and, where it needs them, its twin and its float64 run: alongside the
-        run (:attr:`alongside`), or after it when it completed."""
+    def configuration(self, index: int, config: Configuration) -> list[dict]:
+        """Train and judge ``config`` as given and, where it needs them, its twin and its float64 run:
+        alongside the run (:attr:`alongside`), or after it when it completed. Its records."""
         if self.stopped:
             self.statuses[config.label] = ("not run", None)
-            return
+            return [self._status(config)]
         reason = _unavailable(config)
         if reason is not None:
             self.statuses[config.label] = ("unavailable", RuntimeError(reason))
-            return
+            return [self._status(config)]
         variants = ("twin", "float64") if own_evidence(self.setup, config, self.reads_process_group) else ()
-        if not variants or not self.alongside:
-            self._run(index, config)
-            for variant in variants:
-                if self.statuses[config.label][0] != "completed" or self.stopped:
-                    break
-                self._keep_variant(config, variant, self._variant(index, config, variant))
-            return
-        # The twin and the float64 run need nothing from the run: they start with it, in threads of
-        # their own, so that one run's waits (forks, rendezvous) overlap the others' work.
-        others = [f"config{index}-{variant}" for variant in variants]
-        with concurrent.futures.ThreadPoolExecutor(len(variants)) as pool:
-            pending = {variant: pool.submit(self._variant, index, config, variant) for variant in variants}
-            try:
-                self._run(index, config)
-                if self.statuses[config.label][0] != "completed":
-                    self._cancel(others)  # what they would show has nothing to be compared with
-                for variant, future in pending.items():
-                    if self.statuses[config.label][0] == "completed":
-                        self._keep_variant(config, variant, future.result())
-                    else:
-                        future.result()
-            except BaseException:
-                self._cancel(others)  # Ctrl-C in the parent: the variants' ranks go too
-                raise
+        together = variants if self.alongside else ()
+        records, facts, cut = self._run_pass(index, config, together)
+        later = [v for v in variants if v not in together]
+        if later and self.statuses[config.label][0] == "completed" and not self.stopped and cut != 0:
+            records += self._variants_pass(index, config, later, self.steps if cut is None else cut)
+        return records + [self._status(config, **facts)]
 
-    def _run(self, index: int, config: Configuration) -> None:
-        """Launch ``config`` as given; its status says how it ended."""
+    def _status(self, config: Configuration, done: int = 0, **facts) -> dict:
+        status, error = self.statuses[config.label]
+        return _status_record(config, status, done, error, no_replay=_replay.unavailable(self.setup, config),
+                              random=self.facts["random"] or None, compression=_compression(config),
+                              approximation=config.approximates(), **facts)
+
+    def _start_configuration(self, streamed: Pass, config: Configuration, run_id: str, variant: str,
+                             after=None) -> None:
+        launch = _launcher.Launch(configuration_worker, world_size=config.world_size,
+                                  args=(self.setup, config, streamed.steps, streamed.root, run_id,
+                                        self.facts["digest"], variant, LAG),
+                                  timeout=config.timeout or self.timeout,
+                                  on_record=self.on_record if variant == "run" else None)
+        streamed.start(run_id, launch, [run_id], after)
+
+    def _start_references(self, streamed: Pass, runs: list[RunSpec]) -> None:
+        """The reference runs ``runs`` in one process beside the pass's configuration. A run trained
+        again for a later configuration streams its records once."""
+        again = {spec.label for spec in runs if spec.label in self._recorded}
+        self._recorded.update(spec.label for spec in runs)
+
+        def on_record(rec: dict) -> None:
+            if rec.get("config") not in again:
+                self.on_record(rec)
+
+        def after(outcome) -> None:   # without the references nothing of the pass can be judged
+            if isinstance(outcome, BaseException) and not isinstance(outcome, _launcher.LaunchStopped):
+                streamed.stop(streamed.launches())
+
+        launch = _launcher.Launch(reference_worker, world_size=1,
+                                  args=(self.setup, runs, streamed.steps, streamed.root, self.facts["digest"], LAG),
+                                  timeout=self.timeout, on_record=on_record)
+        for spec in runs:
+            streamed.add(spec.run_id, 1)
+        streamed.start("references", launch, [spec.run_id for spec in runs], after)
+
+    def _pass_references(self, config: Configuration, precision: tuple) -> tuple[list[RunSpec], RunSpec]:
+        """The reference runs ``config`` is judged against: the truth, the reference, the one in its
+        precision (declared, or shown by its first step: then added to :attr:`runs`) and its promise."""
+        if precision != (None, None) and not any(
+                (r.param_dtype, r.reduce_dtype) == precision and r.world_size == 1 and r.label != "truth"
+                for r in self.runs):
+            self.runs.append(precision_reference(*precision, run_id=f"ref{len(self.runs)}"))
+        band = _band_run(config, self.runs, precision)
+        wanted = {"truth", "reference", band.run_id, _promise_id(self.runs, config)}
+        return [spec for spec in self.runs if spec.run_id in wanted], band
+
+    def _run_pass(self, index: int, config: Configuration, together: tuple) -> tuple[list[dict], dict, int | None]:
+        """``config``'s run (with ``together``, its variants that run alongside) and its reference runs,
+        judged as they train: the records, the facts of its status, and the step judging stopped at
+        (a value turned non-finite there; None: every step)."""
+        run_id = f"config{index}"
+        streamed = Pass(os.path.join(self.root, run_id), self.cache, self.steps)
+        streamed.add(run_id, config.world_size)
+        variant_ids = {variant: f"{run_id}-{variant}" for variant in together}
+        for variant_id in variant_ids.values():
+            streamed.add(variant_id, config.world_size)
+
+        def after_run(outcome) -> None:   # what the variants would show has nothing to be compared with
+            if isinstance(outcome, BaseException):
+                streamed.stop(list(variant_ids.values()))
+
         try:
-            self._launch(config, f"config{index}", "run")
-            self.statuses[config.label] = ("completed", None)
-        except _launcher.LaunchStopped as err:
+            self._start_configuration(streamed, config, run_id, "run", after_run)
+            for variant, variant_id in variant_ids.items():
+                self._start_configuration(streamed, config, variant_id, variant)
+            ranks = streamed.ranks(run_id)
+            # The band's precision: declared, or shown by the run's first step (autocast, a hook).
+            shown = _detected_precision(config, [[ranks[0][0]]], self.facts["dtype"]) if has_step(ranks[0], 0) else None
+            runs, band = self._pass_references(config, shown or config.dtypes())
+            fresh = [spec for spec in runs if spec.label not in self._recorded]
+            self._start_references(streamed, runs)
+            caps = {spec.run_id: streamed.captures(spec.run_id) for spec in runs}
+            records, facts, own = self._judge(config, streamed, run_id, caps, band, fresh, variant_ids)
+        except BaseException:
+            streamed.close()
+            raise
+        streamed.finish(stop=["references"])   # the run and its variants train on to their end
+        self._keep_status(config, streamed.outcomes.get(run_id), run_id in streamed.stopped_here)
+        failed = streamed.outcomes.get("references")
+        if isinstance(failed, BaseException) and not isinstance(failed, _launcher.LaunchStopped):
+            raise _reference_failure(failed)
+        if isinstance(failed, _launcher.LaunchStopped) and "references" not in streamed.stopped_here:
             self.stopped = True
-            self.statuses[config.label] = ("stopped", err)
-        except _launcher.LaunchTimeout as err:
-            self.statuses[config.label] = ("hung", err)
-        except _launcher.LaunchError as err:
-            self.statuses[config.label] = ("crashed", err)
+        if self.statuses[config.label][0] == "completed":
+            records += self._own_records(config, streamed, variant_ids, own)
+        facts.update(rank_steps=",".join(f"{r}:{streamed.runs[run_id].finished(r)}" for r in range(config.world_size)))
+        facts["done"] = min(streamed.runs[run_id].finished(r) for r in range(config.world_size))
+        return records, facts, streamed.cut
 
-    def _keep_variant(self, config: Configuration, variant: str, outcome) -> None:
-        if outcome is _STOPPED:
-            self.stopped = True
+    def _judge(self, config: Configuration, streamed: Pass, run_id: str, caps: dict, band: RunSpec,
+               fresh: list[RunSpec], variant_ids: dict) -> tuple[list[dict], dict, dict]:
+        """Every source of ``config``'s evidence, a step at a time as the pass's runs write them."""
+        ranks = streamed.ranks(run_id)
+        batches = global_batches(self.setup, self.steps)
+        dtype = self.facts["dtype"]
+        promise = caps.get(_promise_id(self.runs, config))
+        # A model whose modules issue collectives (SyncBatchNorm) promises something else
+        # than every rank's share on its own: the float64 promise does not describe it.
+        # Nor does it where the loss reads the process group: the promise ran in a one-rank launch.
+        reads = self.reads_process_group(config.world_size)
+        semantic = (_replay.semantic_records(self.setup, config, promise, caps)
+                    if promise is not None and _replay.unavailable(self.setup, config) is None and not reads
+                    else iter(()))
+        # From the first NaN or Inf on nothing is judged: the verdict rests on the steps before it.
+        finite = _finite.nonfinite_steps(streamed.ranks(run_id, past_cut=True),
+                                         streamed.captures("reference", past_cut=True), streamed.cut_at)
+        seen: list[dict] = []
+        own = {variant: self._own_source(config, streamed, variant, variant_id, caps)
+               for variant, variant_id in variant_ids.items()}
+        found, recs, references, reductions, collectives, mesh, replayed, promised, located, *mine = in_step(
+            finite, _config_steps(config, ranks, caps, band, dtype, seen),
+            _reference_records(caps, fresh, dtype), _reduction_steps(config, ranks),
+            _recorded.collective_records(config, ranks, dtype), _mesh_evidence.mesh_records(config, ranks, dtype),
+            _replay.replay_records(self.setup, config, ranks, batches), semantic,
+            _localization.localize_steps(self.setup, config, caps, ranks, seen), *own.values(),
+            judged=streamed.judged)
+        records = [dict(r, config=config.label) for r in found] + recs + references
+        records += _data.sample_records(self.setup, config, batches)
+        records += reductions + collectives + mesh + replayed + promised + located
+        return records, dict(reads_process_group=reads or None), dict(zip(own, mine))
+
+    def _own_source(self, config: Configuration, streamed: Pass, variant: str, run_id: str, caps: dict) -> StepRecords:
+        if variant == "twin":
+            return _twin.twin_records(config.label, streamed.ranks(run_id), getattr(config, "twin_partner", None))
+        return _float64_records(self.setup, config, streamed.captures(run_id), caps)
+
+    def _own_records(self, config: Configuration, streamed: Pass, variant_ids: dict, own: dict) -> list[dict]:
+        """The twin's and the float64 run's records, or why each is unavailable (its launch failed)."""
+        out = []
+        for variant, run_id in variant_ids.items():
+            outcome = streamed.outcomes.get(run_id)
+            if isinstance(outcome, _launcher.LaunchStopped) and run_id not in streamed.stopped_here:
+                self.stopped = True
+            elif isinstance(outcome, BaseException):
+                first = str(outcome).strip().splitlines()[0] if str(outcome).strip() else type(outcome).__name__
+                out.append(_unavailable_record(config, variant, f"the {variant} run failed: {first[:300]}"))
+            else:
+                out += own[variant]
+        return out
+
+    def _variants_pass(self, index: int, config: Configuration, variants: list[str], steps: int) -> list[dict]:
+        """``config``'s twin and float64 run after its run (a model too large to train them alongside),
+        over the ``steps`` its run was judged, with the float64 truth beside them when needed."""
+        run_id = f"config{index}"
+        streamed = Pass(os.path.join(self.root, f"{run_id}-own"), self.cache, steps)
+        variant_ids = {variant: f"{run_id}-{variant}" for variant in variants}
+        try:
+            for variant, variant_id in variant_ids.items():
+                streamed.add(variant_id, config.world_size)
+                self._start_configuration(streamed, config, variant_id, variant)
+            truth = [spec for spec in self.runs if spec.label == "truth"] if "float64" in variants else []
+            if truth:
+                self._start_references(streamed, truth)
+            caps = {spec.run_id: streamed.captures(spec.run_id) for spec in truth}
+            own = dict(zip(variant_ids, in_step(*(self._own_source(config, streamed, v, i, caps)
+                                                  for v, i in variant_ids.items()), judged=streamed.judged)))
+        except BaseException:
+            streamed.close()
+            raise
+        streamed.finish(stop=["references"])
+        failed = streamed.outcomes.get("references")
+        if isinstance(failed, BaseException) and not isinstance(failed, _launcher.LaunchStopped):
+            raise _reference_failure(failed)
+        return self._own_records(config, streamed, variant_ids, own)
+
+    def _keep_status(self, config: Configuration, outcome, stopped_here: bool) -> None:
+        """How ``config``'s run ended: completed, stopped, hung or crashed."""
+        if not isinstance(outcome, BaseException):
+            self.statuses[config.label] = ("completed", None)
+        elif isinstance(outcome, _launcher.LaunchStopped):
+            self.stopped = self.stopped or not stopped_here
+            self.statuses[config.label] = ("stopped", outcome)
+        elif isinstance(outcome, _launcher.LaunchTimeout):
+            self.statuses[config.label] = ("hung", outcome)
+        elif isinstance(outcome, _launcher.LaunchError):
+            self.statuses[config.label] = ("crashed", outcome)
         else:
-            self.variants[(config.label, variant)] = outcome
+            raise outcome
+
+    # -- facts ----------------------------------------------------------------------------------
 
     def reads_process_group(self, world_size: int) -> bool:
         """:func:`ddplab.compare.stand_in.reads_process_group` of the setup, tried once per world size."""
@@ -559,18 +664,10 @@ class _Session:
         need = processes * MODEL_COPIES * self.facts["numel"] * 8
         return need <= psutil.virtual_memory().available / 2
 
-    def train(self) -> None:
-        """Every configuration (:meth:`configuration`), then a reference in each precision a
-        configuration showed. The reference runs finished before (:func:`first_launch`): a comparison
-        stopped during a configuration still compares every step that configuration finished."""
-        for index, config in enumerate(self.configs):
-            self.configuration(index, config)
-        self.detected_references()
-
-    def footprint(self) -> _footprint.Footprint | None:
+    def footprint(self, first: str) -> _footprint.Footprint | None:
         """What the configurations will need of the machine at least (:mod:`ddplab.compare.footprint`),
-        from the sizes of the reference runs' captures; None when they did not write one."""
-        sizes = _footprint.capture_sizes(self.root, self.runs)
+        from the sizes of the reference runs' first captures under ``first``; None without them."""
+        sizes = _footprint.capture_sizes(first, self.runs)
         if not {"reference", "truth"} <= sizes.keys():
             return None
         shapes = []
@@ -580,99 +677,13 @@ class _Session:
                 shapes.append((config.world_size, own, own))
         return _footprint.footprint(sizes, self.steps, shapes, alongside=self.alongside)
 
-    def _variant(self, index: int, config: Configuration, variant: str):
-        """Launch ``config``'s ``variant``: None when it ran, why it failed, or :data:`_STOPPED`."""
-        try:
-            self._launch(config, f"config{index}-{variant}", variant)
-        except (_launcher.LaunchStopped, _Cancelled):
-            return _STOPPED
-        except _launcher.LaunchError as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            return f"the {variant} run failed: {first[:300]}"
-        return None
 
-    def _precision(self, index: int, config: Configuration) -> tuple:
-        """The precision ``config``'s band is measured in: declared, or shown by its modules' outputs."""
-        shown = _detected_precision(config, [self.captures(f"config{index}", 0, 1)], self.facts["dtype"])
-        return shown or config.dtypes()
-
-    def detected_references(self) -> None:
-        """A reference in each compute precision a configuration showed without declaring it."""
-        extra: dict = {}
-        for index, config in enumerate(self.configs):
-            if self.statuses[config.label][0] in ("not run", "unavailable"):
-                continue
-            precision = self._precision(index, config)
-            if precision == (None, None) or config.dtypes() != (None, None) or precision in extra:
-                continue
-            if not any((r.param_dtype, r.reduce_dtype) == precision and r.world_size == 1 and r.label != "truth"
-                       for r in self.runs):
-                extra[precision] = precision_reference(*precision, run_id=f"ref{len(self.runs) + len(extra)}")
-        if extra and not self.stopped:
-            self.references(list(extra.values()))
-            self.runs += list(extra.values())
-
-    def analyse(self, index: int, config: Configuration, caps: dict, batches: list) -> list[dict]:
-        """Every record of ``config``: the band, the audits, the replay, the promise, the twin, float64."""
-        status, error = self.statuses[config.label]
-        records, done, facts, reads = [], 0, {}, False
-        if status not in ("not run", "unavailable"):
-            band = _band_run(config, self.runs, self._precision(index, config))
-            ranks = [self.captures(f"config{index}", r) for r in range(config.world_size)]
-            # Every rank's own count: a hang can leave rank 0 steps ahead of the others.
-            done = min(len(r) for r in ranks)
-            facts["rank_steps"] = ",".join(f"{r}:{len(caps_r)}" for r, caps_r in enumerate(ranks))
-            # From the first NaN or Inf on nothing is judged: the verdict rests on the steps before it.
-            finite, found = _finite.finite_steps(ranks, caps["reference"])
-            records += [dict(r, config=config.label) for r in found]
-            if finite is not None:
-                ranks = [r[:finite] for r in ranks]
-                caps = {key: value[:finite] for key, value in caps.items()}
-            promise = caps.get(_promise_id(self.runs, config))
-            # A model whose modules issue collectives (SyncBatchNorm) promises something else
-            # than every rank's share on its own: the float64 promise does not describe it.
-            # Nor does it where the loss reads the process group: the promise ran in a one-rank launch.
-            reads = self.reads_process_group(config.world_size)
-            semantic = (_replay.semantic_records(self.setup, config, promise, caps)
-                        if promise is not None and _replay.unavailable(self.setup, config) is None and not reads
-                        else iter(()))
-            dtype = self.facts["dtype"]
-            # Every source reads a step's captures while the cache holds them, then the next step's.
-            recs, reductions, collectives, mesh, replayed, promised, *own = in_step(
-                _config_steps(config, ranks, caps, band, dtype), _reduction_steps(config, ranks),
-                _recorded.collective_records(config, ranks, dtype), _mesh_evidence.mesh_records(config, ranks, dtype),
-                _replay.replay_records(self.setup, config, ranks, batches), semantic,
-                *self._own_evidence(index, config, caps, finite))
-            records += recs + _data.sample_records(self.setup, config, batches)
-            records += reductions + collectives + mesh + replayed + promised
-            records += _localization.localize(self.setup, config, caps, ranks, recs)
-            records += [rec for source in own for rec in source]
-        records.append(_status_record(config, status, done, error,
-                                      no_replay=_replay.unavailable(self.setup, config),
-                                      random=self.facts["random"] or None,
-                                      compression=_compression(config),
-                                      approximation=config.approximates(),
-                                      reads_process_group=reads or None, **facts))
-        return records
-
-    def _own_evidence(self, index: int, config: Configuration, caps: dict, finite: int | None) -> list[StepRecords]:
-        """The twin's and the float64 run's sources (or why each is unavailable), as they ran."""
-        out = []
-        for variant in ("twin", "float64"):
-            if (config.label, variant) not in self.variants:
-                continue
-            failed = self.variants[(config.label, variant)]
-            if failed is not None:
-                out.append(iter([[_unavailable_record(config, variant, failed)]]))
-                continue
-            run_id = f"config{index}-{variant}"
-            ranks = [self.captures(run_id, r, self.steps if finite is None else finite)
-                     for r in range(config.world_size)]
-            if variant == "twin":
-                out.append(_twin.twin_records(config.label, ranks, getattr(config, "twin_partner", None)))
-            else:
-                out.append(_float64_records(self.setup, config, ranks[0], caps))
-        return out
+def _reference_failure(error: BaseException) -> Exception:
+    """What a failed reference launch means for the comparison: a setup another process cannot run
+    (:class:`SetupError`), or nothing to compare with (:class:`ReferenceFailed`)."""
+    if isinstance(error, _launcher.RankFailed) and error.exc_type == "SetupError":
+        return SetupError(str(error).splitlines()[0].split("SetupError: ", 1)[-1])
+    return ReferenceFailed(f"the single-process reference failed, so there is nothing to compare with:\n{error}")
 
 
 def run(setup: Setup, configurations, *, steps: int | None = None, timeout: float = DEFAULT_TIMEOUT,
@@ -691,7 +702,10 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     unusable, and before any configuration starts when the setup is (a
     :class:`SetupError`) or the machine cannot hold the comparison
     (:mod:`ddplab.compare.footprint`); :class:`ReferenceFailed` when the
-    single-process reference itself fails.
+    single-process reference itself fails (its first step is tried before any
+    configuration; it trains again beside each one). A launch counts as hung
+    when it runs ``timeout`` seconds beyond the time the parent spent judging
+    its steps (its ranks wait for that).
 
     Example::
 
@@ -705,37 +719,33 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     if not (isinstance(progress, bool) or callable(progress)):
         raise ValueError(f"progress must be True, False or a callable (config, step, steps), got {progress!r}")
     _launcher.check_timeout(timeout)
-    streamed: list[dict] = []
+    streamed: list[dict] = []   # what the ranks emit as they run: losses, gradient norms, audits
     bars = None
     try:
         with tempfile.TemporaryDirectory(prefix="ddplab-compare-") as root:
-            # The reference runs' records are kept as they come; their bars, once the number of steps is known.
-            facts = first_launch(setup, steps, configs, root, timeout, streamed.append)
+            first = os.path.join(root, "first")
+            facts = first_launch(setup, steps, configs, first, timeout)
             steps = facts["steps"]
             bars = _Progress(steps, progress is True, progress if callable(progress) else None)
-            for rec in streamed:
-                bars(rec)
 
             def on_record(rec: dict) -> None:
                 streamed.append(rec)
                 bars(rec)
 
             runs = reference_runs(configs, promises=not facts["random"])
-            batches = global_batches(setup, steps)
             session = _Session(setup, configs, facts, runs, root, timeout, on_record)
-            need = session.footprint()
+            need = session.footprint(first)
+            shutil.rmtree(first)
             if need is not None:
                 if progress is True:
                     from ddplab.progress import note
                     note(need.text())
                 _footprint.check_fits(need, memory=psutil.virtual_memory().available,
                                       disk=shutil.disk_usage(root).free)
-            session.train()
-            records = list(streamed) + (need.records() if need is not None else [])
-            ref_recs, caps = _reference_records(session.cache, root, session.runs, steps, facts["dtype"])
-            records += ref_recs
+            records = []
             for index, config in enumerate(configs):
-                records += session.analyse(index, config, caps, batches)
+                records += session.configuration(index, config)
+            records = streamed + (need.records() if need is not None else []) + records
     finally:
         if bars is not None:
             bars.close()

@@ -14,33 +14,49 @@ of the reference (``run="reference"``, rank 0), with ``quantity`` and ``param``.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from ddplab.compare.captures import StepRecords, has_step
 from ddplab.records import record
 
-__all__ = ["first_nonfinite", "nonfinite_records", "finite_steps"]
+__all__ = ["nonfinite_at", "nonfinite_records", "nonfinite_steps"]
 
 
-def first_nonfinite(captures: list[dict]) -> dict | None:
-    """The first (step, quantity, param, count) of ``captures`` holding a NaN or Inf, or None."""
-    for step, cap in enumerate(captures):
-        for quantity in ("grads", "params"):
-            for name, t in cap.get(quantity, {}).items():
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    bad = int((~torch.isfinite(t)).sum())
-                    return dict(step=step, quantity=quantity[:-1], param=name, count=bad)
+def nonfinite_at(capture: dict) -> dict | None:
+    """The first (quantity, param, count) of one step's capture holding a NaN or Inf, or None."""
+    for quantity in ("grads", "params"):
+        for name, t in capture.get(quantity, {}).items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                return dict(quantity=quantity[:-1], param=name, count=bad)
     return None
 
 
-def finite_steps(config_ranks: list[list[dict]], reference: list[dict]) -> tuple[int | None, list[dict]]:
-    """How many leading steps are finite everywhere (None: all), and the ``nonfinite`` records."""
-    found = [(r, first_nonfinite(caps)) for r, caps in enumerate(config_ranks)]
-    ref = first_nonfinite(reference)
-    out = [nonfinite_records(f, rank=r, run="configuration") for r, f in found if f is not None]
-    if ref is not None:
-        out.append(nonfinite_records(ref, rank=0, run="reference"))
-    steps = [f["step"] for _, f in found if f is not None] + ([ref["step"]] if ref is not None else [])
-    return (min(steps) if steps else None), out
+def nonfinite_steps(config_ranks: list, reference, cut: Callable[[int], None]) -> StepRecords:
+    """A step at a time: where each rank of the configuration and the reference first hold a NaN or
+    Inf (a ``nonfinite`` record each), and ``cut(step)`` at the first such step of any of them, so
+    that no other source judges it or a step after it. Reads ``config_ranks`` (``[r][step]``) and
+    ``reference`` past that cut, to say where each of them turns non-finite."""
+    runs = [("configuration", r, caps) for r, caps in enumerate(config_ranks)] + [("reference", 0, reference)]
+    found: set = set()
+    step, cut_at = 0, None
+    while True:
+        looked = [(run, r, caps) for run, r, caps in runs if (run, r) not in found and has_step(caps, step)]
+        if not looked:
+            return
+        out = []
+        for run, r, caps in looked:
+            bad = nonfinite_at(caps[step])
+            if bad is not None:
+                found.add((run, r))
+                out.append(nonfinite_records(dict(bad, step=step), rank=r, run=run))
+        if out and cut_at is None:
+            cut_at = step
+            cut(step)
+        yield out
+        step += 1
 
 
 def nonfinite_records(found: dict, **labels) -> dict:

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ddplab.compare.captures import StepRecords
+from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import Configuration
 from ddplab.compare.setup import Setup
 from ddplab.numerics import unit_roundoff
@@ -82,13 +82,11 @@ def _distance(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 def distance_records(name: str, setup: Setup, config: Configuration, run: list[dict], caps: dict,
                      tolerance: float, **labels) -> StepRecords:
     """``{name}_distance`` of the float64 captures ``run`` from the truth (``caps["truth"]``), per step,
-    quantity and parameter; then ``{name}_difference`` at the first step beyond ``tolerance``."""
-    from ddplab.compare.localization import semantic_fit
-
+    quantity and parameter; and ``{name}_difference`` at the first step beyond ``tolerance``."""
     truth = caps["truth"]
     labels = dict(config=config.label, **labels)
     first = None
-    for step in range(min(len(truth), len(run))):
+    for step in common_steps(truth, run):
         out = []
         for quantity in ("grad", "param"):
             t, p = truth[step][quantity + "s"], run[step][quantity + "s"]
@@ -109,13 +107,21 @@ def distance_records(name: str, setup: Setup, config: Configuration, run: list[d
                 worst = max(worst, d)
             if worst > tolerance and first is None:
                 first = (step, quantity, worst)
+        if first is not None and first[0] == step:
+            # Named at its step, while the captures it is fitted on exist (they are deleted once judged).
+            out.append(_difference(name, setup, config, run, caps, *first, labels))
         yield out
-    if first is not None:
-        step, quantity, worst = first
-        fit = dict(kind="other", factor=math.nan, factor_name="", missing=[], residual=math.nan)
-        grads = run[step]["grads"]
-        if all(bool(torch.isfinite(g).all()) for g in grads.values()):  # no solver on non-finite input
-            fit = semantic_fit(setup, config, step, {n: g.double() for n, g in grads.items()}, caps)
-        yield [record(f"{name}_difference", worst, step=step, quantity=quantity, kind=fit["kind"],
-                      factor=fit["factor"], factor_name=fit["factor_name"] or "",
-                      missing=",".join(map(str, fit["missing"])), residual=fit["residual"], **labels)]
+
+
+def _difference(name: str, setup: Setup, config: Configuration, run, caps: dict, step: int, quantity: str,
+                worst: float, labels: dict) -> dict:
+    """``{name}_difference`` at ``step``: how far, and what the piece fit names it."""
+    from ddplab.compare.localization import semantic_fit
+
+    fit = dict(kind="other", factor=math.nan, factor_name="", missing=[], residual=math.nan)
+    grads = run[step]["grads"]
+    if all(bool(torch.isfinite(g).all()) for g in grads.values()):  # no solver on non-finite input
+        fit = semantic_fit(setup, config, step, {n: g.double() for n, g in grads.items()}, caps)
+    return record(f"{name}_difference", worst, step=step, quantity=quantity, kind=fit["kind"],
+                  factor=fit["factor"], factor_name=fit["factor_name"] or "",
+                  missing=",".join(map(str, fit["missing"])), residual=fit["residual"], **labels)

@@ -1,19 +1,23 @@
 """What a comparison needs of the machine, at least, and a refusal before any configuration runs
 when the machine lacks it.
 
-Every run writes one capture per step and rank (:mod:`ddplab.compare.captures`). When the
-comparison's first launch returns, the reference runs' captures are on disk: their sizes are
-measured, not guessed. A configuration's rank captures, each step, at least what the reference
-run in the model's dtype captures -- full copies of its parameters, gradients and optimizer state
--- and its float64 run at least what the float64 truth captures. The figures count only that:
-what the comparison really uses is larger (recorded reductions, DDP's buckets, the analysis's
-float64 copies, the models themselves; ``bench/bench_compare_scale.py`` prints both).
+Every run writes one capture per step and rank (:mod:`ddplab.compare.captures`), and the parent
+judges them as they come (:mod:`ddplab.compare.streaming`). The comparison's first launch trains
+the first step of every reference run: the sizes of those captures are measured, not guessed. A
+configuration's rank captures, each step, at least what the reference run in the model's dtype
+captures -- full copies of its parameters, gradients and optimizer state -- and its float64 run at
+least what the float64 truth captures. The figures count only that: what the comparison really
+uses is larger (recorded reductions, DDP's buckets, the analysis's float64 copies, the models
+themselves; ``bench/bench_compare_scale.py`` prints both).
 
-* **scratch**: every run's captures of every step, on disk until the comparison ends;
-* **parent**: the analysis holds, while it judges a step, that step's captures of every run one
-  configuration's evidence reads (every reference run, its ranks, its twin's ranks, its float64 run);
-* **ranks**: every rank of a launch builds its step's capture in memory before writing it; a
-  configuration's twin and float64 run may run alongside it.
+A *pass* trains a configuration's run beside the truth and the reference (and, alongside, its twin
+and its float64 run; or those in a second pass, beside the truth). Its step is what every run of it
+captures at one step.
+
+* **scratch**: two steps of the largest pass -- the step being judged and the one before it, which
+  the replay starts from -- whatever the number of steps;
+* **parent**: the analysis holds, while it judges a step, that step's captures of every run of the pass;
+* **ranks**: every rank of a pass builds its step's capture in memory before writing it.
 """
 from __future__ import annotations
 
@@ -42,7 +46,6 @@ class Footprint:
     parent_bytes: int
     ranks_bytes: int
     scratch_bytes: int
-    written_bytes: int          # of the scratch, already on disk (the reference runs')
 
     @property
     def memory_bytes(self) -> int:
@@ -64,35 +67,36 @@ def footprint(capture_bytes: dict[str, int], steps: int, configs: list[tuple[int
     """The lower bounds for ``steps`` steps. ``capture_bytes``: each reference run's step capture, by
     label (``"reference"``, the model's dtype, and ``"truth"``, float64, among them); ``configs``: per
     configuration ``(world_size, twin, float64)``, whether it runs its twin and its float64 run;
-    ``alongside``: whether those start together with the run."""
-    refs = sum(capture_bytes.values())
+    ``alongside``: whether those start together with the run (one pass) or after it (a second pass)."""
     rank, wide = capture_bytes["reference"], capture_bytes["truth"]
+    held = min(steps, 2)
     scratch = parent = ranks = 0
     for world, twin, float64 in configs:
-        step = world * (rank * (1 + twin) + wide * float64)
-        scratch += steps * step
-        parent = max(parent, refs + world * rank * (1 + twin) + wide * float64)
+        own = world * (rank * twin + wide * float64)          # the twin's and the float64 run's ranks
+        passes = [rank + wide + world * rank + (own if alongside else 0)]
+        if not alongside and (twin or float64):
+            passes.append(own + wide * float64)
+        parent = max(parent, *passes)
+        scratch = max(scratch, held * max(passes))
         launches = [rank] + [rank] * twin + [wide] * float64
-        ranks = max(ranks, world * (sum(launches) if alongside else max(launches)))
-    return Footprint(parent_bytes=parent, ranks_bytes=ranks, scratch_bytes=steps * refs + scratch,
-                     written_bytes=steps * refs)
+        ranks = max(ranks, world * (sum(launches) if alongside else max(launches)) + wide)
+    return Footprint(parent_bytes=parent, ranks_bytes=ranks, scratch_bytes=scratch)
 
 
 def check_fits(need: Footprint, *, memory: int, disk: int) -> None:
     """Raise ValueError, with the figures, when ``need`` exceeds the ``memory`` available or the scratch
-    folder's free ``disk`` (beyond what is already written)."""
+    folder's free ``disk``."""
     problems = []
     if need.memory_bytes > memory:
         problems.append(f"at least {size_text(need.memory_bytes)} of memory (the analysis "
                         f"{size_text(need.parent_bytes)}, the ranks {size_text(need.ranks_bytes)}), and "
                         f"{size_text(memory)} are available")
-    more = need.scratch_bytes - need.written_bytes
-    if more > disk:
-        problems.append(f"at least {size_text(more)} more of scratch disk, and {size_text(disk)} are free")
+    if need.scratch_bytes > disk:
+        problems.append(f"at least {size_text(need.scratch_bytes)} of scratch disk, and {size_text(disk)} are free")
     if problems:
         raise ValueError("this comparison does not fit the machine: it needs " + "; ".join(problems)
-                         + ". Compare fewer steps or configurations, or a smaller model (every run's captures "
-                         "of every step stay on disk until the comparison ends).")
+                         + ". Compare a smaller model, or free memory or disk (a comparison holds two steps of "
+                         "every run of a configuration at once, whatever the number of steps).")
 
 
 def capture_sizes(root: str, runs) -> dict[str, int]:

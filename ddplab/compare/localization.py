@@ -42,6 +42,7 @@ import math
 import torch
 
 from ddplab.compare import referee as _referee
+from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import Configuration
 from ddplab.compare import data as _data
 from ddplab.compare import stand_in
@@ -49,7 +50,7 @@ from ddplab.compare.compiled import eager
 from ddplab.compare.setup import Setup, cast_batch, forward_loss, global_batches, named_trainable, split
 from ddplab.records import record
 
-__all__ = ["FINDINGS", "FIT_TOLERANCE", "SAMPLE_ELEMENTS", "localize", "piece_gradients", "fit_weights",
+__all__ = ["FINDINGS", "FIT_TOLERANCE", "SAMPLE_ELEMENTS", "localize_steps", "piece_gradients", "fit_weights",
            "name_factor", "classify_weights"]
 
 #: The kinds of difference localization names.
@@ -199,20 +200,35 @@ def _sample(values: torch.Tensor, n: int = SAMPLE_ELEMENTS) -> list[int]:
     return torch.linspace(0, count - 1, n).round().to(torch.int64).unique().tolist()
 
 
-def localize(setup: Setup, config: Configuration, caps: dict, ranks: list[list[dict]],
-             recs: list[dict]) -> list[dict]:
-    """Localize ``config``'s first divergence from its distance records ``recs`` and captures.
+def localize_steps(setup: Setup, config: Configuration, caps: dict, ranks: list, recs: list[dict]) -> StepRecords:
+    """Localize ``config``'s first divergence, a step at a time: ``recs`` is the list its distance
+    records are appended to as each step is judged (:func:`ddplab.compare.referee.distance_records`).
 
-    ``caps`` maps reference run ids ("truth", "reference", ...) to per-step
-    captures; ``ranks[r][step]`` is rank r's capture. Returns records
-    (empty when the configuration never leaves the band).
+    At the first step where rank 0 leaves the band or the ranks disagree (the same step
+    :func:`first_divergence` and the desync margin name over the whole run) the divergence is
+    localized there, while that step's captures exist (``caps``: reference run ids -> per-step
+    captures; ``ranks[r][step]``: rank r's). Once every step is judged: each rank's largest
+    distance from rank 0 (``desync_deviation``).
     """
     labels = dict(config=config.label)
-    desync_recs, desync_step = _desync(recs, labels)
-    first = first_divergence(recs)
-    if first is None and desync_step is None:
-        return desync_recs
-    out = list(desync_recs)
+    found, start = False, 0
+    for step in common_steps(ranks[0], caps["truth"]):
+        new, start = recs[start:], len(recs)   # this step's records; the steps before had no divergence
+        out: list[dict] = []
+        if not found:
+            first, (_, desync_step) = first_divergence(new), _desync(new, labels)
+            if first is not None or desync_step is not None:
+                found = True
+                out = _localize_at(setup, config, caps, ranks, recs, first, desync_step, labels)
+        yield out
+    yield _desync(recs, labels)[0]
+
+
+def _localize_at(setup: Setup, config: Configuration, caps: dict, ranks, recs: list[dict], first, desync_step,
+                 labels: dict) -> list[dict]:
+    """The records that localize a divergence first seen at ``first`` (step, quantity, worst parameter)
+    or, when rank 0 stays within the band, at ``desync_step`` where the ranks disagree."""
+    out = []
     if first is None:  # ranks disagree, rank 0 alone within the band
         first = (desync_step, "param", _referee.MODEL)
     step, quantity, worst = first

@@ -38,7 +38,7 @@ import math
 import torch
 
 from ddplab.collectives import REDUCTIONS
-from ddplab.compare.captures import StepRecords
+from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.meshes import HSDP, MeshConfiguration, MeshLayout
 from ddplab.records import record
 
@@ -168,7 +168,7 @@ def mesh_records(config, ranks: list, model_dtype: torch.dtype) -> StepRecords:
     """Every step's evidence per axis of a mesh configuration (``ranks[r][step]``); nothing for any other."""
     if not isinstance(config, MeshConfiguration):
         return
-    for step in range(min(len(r) for r in ranks)):
+    for step in common_steps(*ranks):
         caps = [r[step] for r in ranks]
         yield (replica_records(config, step, caps) + precision_records(config, step, caps, model_dtype)
                + partial_sum_records(config, step, caps, model_dtype))

@@ -23,7 +23,7 @@ import torch
 # The collectives that reduce (the ones a reduce dtype governs): every form the recorder names,
 # FSDP2's ``reduce_scatter_single`` included.
 from ddplab.collectives.ops import REDUCTIONS
-from ddplab.compare.captures import StepRecords
+from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom
 from ddplab.records import record
 
@@ -70,7 +70,7 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
     declared = declared_reduce_dtype(config, model_dtype)
     labels = dict(config=config.label)
     axis_of = getattr(config, "axis_of", None)  # a mesh's collectives are named by the axis they span
-    for step in range(min(len(r) for r in ranks)):
+    for step in common_steps(*ranks):
         caps = [r[step] for r in ranks]
         recs = step_collectives(caps)
         if not any(recs):

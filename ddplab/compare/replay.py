@@ -62,7 +62,7 @@ from ddplab.compare import compiled as _compiled
 from ddplab.compare import data as _data
 from ddplab.compare import sharded_optimizers as _sharded
 from ddplab.compare import stand_in as _stand_in
-from ddplab.compare.captures import StepRecords
+from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
 from ddplab.compare.runners import ForwardDigests
 from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable
@@ -413,14 +413,13 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
     em = _Emitter(config)
     emulation = reduction_emulation(getattr(config, "comm_hook", None)) if not isinstance(config, FSDP2) else None
     initial = {n: p.detach().clone() for n, p in named_trainable(setup.build_model())}
-    steps = min(len(r) for r in ranks)
     modules_seen: list[str] = []
     compiled = _compiled.compiles(setup, config)
     if compiled:
         _compiled.fresh_compiler()  # the rank compiled from nothing
     rng = torch.get_rng_state()
     try:
-        for step in range(steps):
+        for step in common_steps(*ranks):
             _replay_step(em, setup, config, ranks, batches, step, initial, modules_seen, emulation)
             mine, em.out = em.out, []   # one step's records at a time
             yield _compiled.unverified_local(mine) if compiled else mine

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -197,8 +197,9 @@ class Capture:
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
                  label: str, rank: int, buckets: BucketCapture | None = None,
                  module: torch.nn.Module | None = None, any_optimizer: bool = False,
-                 recorder: Any = None, keep: Callable[[], dict] | None = None):
+                 recorder: Any = None, keep: Callable[[], dict] | None = None, lag: int | None = None):
         self.named = named
+        self.lag = lag   # not None: after writing a step, wait for the parent (ddplab.compare.streaming)
         self.optimizer = optimizer
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
         self.grads: dict[str, torch.Tensor] | None = None
@@ -294,6 +295,9 @@ class Capture:
         self.grads = self.params = self.optim = None
         self.before = {}
         self.calls = 0
+        if self.lag is not None:
+            from ddplab.compare.streaming import wait_for_parent
+            wait_for_parent(self.root, self.run_id, step, self.lag)
 
 
 def collective_state(record) -> dict:
@@ -412,11 +416,12 @@ def _reference_loss(model, named: list, setup: Setup, spec: RunSpec, batch: tupl
     return setup.loss(out, inputs[-1])
 
 
-def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> None:
+def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, lag: int | None) -> Iterator[int]:
+    """Train ``spec`` a step at a time: each ``next()`` trains and captures one step."""
     model = setup.build_model(spec.dtype)
     named = named_trainable(model)
     optimizer = setup.optimizer(model.parameters())
-    capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0)
+    capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0, lag=lag)
     if spec.reduce_dtype is not None:
         master = named[0][1].dtype
         for _, p in named:  # the gradient as a reduction in reduce_dtype would leave it
@@ -436,6 +441,7 @@ def _train_reference(setup: Setup, spec: RunSpec, batches: list, root: str) -> N
         apply_before_step(setup, model)
         optimizer.step()
         capture.finish(step, _loss_value(loss))
+        yield step
 
 
 #: Why a model that another process builds otherwise cannot be compared.
@@ -444,21 +450,25 @@ DIFFERENT_MODEL = ("setup.model() builds different initial weights in another pr
                    "not from the process or the clock")
 
 
-def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str) -> None:
-    """Every reference run, one after the other, in this process: each writes its captures under ``root``."""
+def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, lag: int | None = None) -> None:
+    """Every reference run in this process, a step of each in turn: each writes its captures under
+    ``root`` (``lag``: and waits for the parent after each, :mod:`ddplab.compare.streaming`)."""
     batches = global_batches(setup, steps)
     with eager():  # one process's rounding, which compiling would not change in size
-        for spec in runs:
-            _train_reference(setup, spec, batches, root)
+        trainers = [_reference_steps(setup, spec, batches, root, lag) for spec in runs]
+        for _ in batches:
+            for trainer in trainers:
+                next(trainer)
 
 
-def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str) -> None:
+def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str,
+                     lag: int | None = None) -> None:
     """Rank 0 of a 1-rank launch: :func:`train_references`, in a process that first checks it builds
     the model whose weights have ``digest`` (a model seeded from the process, its pid or the clock,
     would start every rank elsewhere)."""
     if model_digest(setup.build_model()) != digest:
         raise SetupError(DIFFERENT_MODEL)
-    train_references(setup, runs, steps, root)
+    train_references(setup, runs, steps, root, lag)
 
 
 # --------------------------------------------------------------------------- the configurations
@@ -615,10 +625,11 @@ def _trainer(raw: torch.nn.Module, setup: Setup, config: Configuration) -> _Trai
 
 
 def configuration_worker(setup: Setup, config: Configuration, steps: int, root: str, run_id: str,
-                         digest: str, variant: str = "run") -> int:
+                         digest: str, variant: str = "run", lag: int | None = None) -> int:
     """Every rank of a configuration's launch: build, check, wrap, train ``steps`` steps, capture.
 
-    ``variant`` is one of :data:`VARIANTS`. Returns the number of steps trained.
+    ``variant`` is one of :data:`VARIANTS`; ``lag``: wait for the parent after each step
+    (:mod:`ddplab.compare.streaming`). Returns the number of steps trained.
     Raises :class:`SetupError` when this rank's model does not start from the
     reference's initial weights.
     """
@@ -630,11 +641,11 @@ def configuration_worker(setup: Setup, config: Configuration, steps: int, root: 
     # is recorded; each step's records leave with the step's capture. The twin compares its ranks'
     # collectives by digest and the float64 run reads their dtypes: their tensors stay out.
     with collectives.recording(keep_tensors=variant == "run") as recorder:
-        return _train(setup, config, steps, root, run_id, digest, variant, recorder)
+        return _train(setup, config, steps, root, run_id, digest, variant, recorder, lag)
 
 
 def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: str, digest: str,
-           variant: str, recorder) -> int:
+           variant: str, recorder, lag: int | None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     # Every record of this launch -- a user comm hook's too -- names the configuration.
     _records.set_labels(config=config.label)
@@ -653,7 +664,7 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
                       rank=rank, buckets=buckets, module=raw, any_optimizer=trainer is None,
-                      recorder=recorder, keep=trainer.keep if trainer is not None else None)
+                      recorder=recorder, keep=trainer.keep if trainer is not None else None, lag=lag)
     kept: dict = {}  # a Custom step's own state across its steps (ctx.state)
     # Ranks that share a data-parallel coordinate (a mesh's tensor-parallel group) train the same share.
     shares, share = config.shares, config.share_of(rank, world)

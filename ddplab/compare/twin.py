@@ -25,7 +25,7 @@ at the first forward difference.
 from __future__ import annotations
 
 from ddplab.collectives import REDUCTIONS
-from ddplab.compare.captures import StepRecords
+from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.records import record
 
 __all__ = ["twin_records", "first_asymmetry", "QUANTITIES"]
@@ -104,7 +104,7 @@ def twin_records(label: str, ranks: list[list[dict]], partner=None) -> StepRecor
     (:meth:`ddplab.compare.meshes.MeshConfiguration.twin_partner`).
     """
     partner = partner or _rank_zero
-    for step in range(min(len(r) for r in ranks)):
+    for step in common_steps(*ranks):
         out: list[dict] = []
         caps = [r[step] for r in ranks]
         for rank in range(len(ranks)):

@@ -1,0 +1,280 @@
+"""A comparison's runs judged while they train, their captures deleted once judged.
+
+Every run of a *pass* (a configuration's run, the reference runs that train beside it, its twin
+and its float64 run) writes one capture per step and rank. After writing step ``s`` a rank waits
+(:func:`wait_for_parent`) until the parent has judged step ``s - LAG``; the parent judges a step of
+every run of the pass together (:func:`ddplab.compare.captures.in_step`), then marks it judged and
+deletes what no source reads again (:meth:`Pass.judged`): every step before it -- the replay starts
+step ``s`` from the state step ``s - 1`` left. A run's captures on disk are then at most
+``LAG + 2`` steps, whatever the number of steps.
+
+:class:`LiveCaptures` is one rank's steps of a run that may still be training: asking for a step
+waits until its file exists or the run has ended. Sources walk steps with
+:func:`ddplab.compare.captures.common_steps`, which stops at the first step some sequence will
+never have: one that a crash, a hang or a stop left unwritten, or one past :attr:`Pass.cut` (the
+first step where a value turned non-finite).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from ddplab.compare.captures import CaptureCache, Captures
+
+__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "judged_path", "LiveRun", "LiveCaptures", "Pass"]
+
+#: Steps a rank may run ahead of the last step the parent judged: one, so that a rank trains the
+#: next step while the parent judges this one, and the scratch folder holds a few steps at most.
+LAG = 1
+#: The longest a rank sleeps between two looks at the parent's progress, in seconds.
+_POLL = 0.02
+#: What the sources read of a step once it is judged: the next step's replay starts from its
+#: parameters and optimizer state; localization, from the truth's parameters.
+NEXT_STEP_READS = ("params", "optimizer")
+#: The judged step that lets a rank run to its end: nothing judges its steps any more.
+_NEVER_WAIT = 2**62
+
+
+def judged_path(root: str, run_id: str) -> str:
+    """The file holding the last step of ``run_id`` the parent judged (absent: none yet)."""
+    return os.path.join(root, run_id, "judged")
+
+
+def _read_judged(path: str) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read() or -1)
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def wait_for_parent(root: str, run_id: str, step: int, lag: int = LAG) -> None:
+    """In a rank, after writing ``step``: wait until the parent judged step ``step - lag``. The launch's
+    own timeout and stop still end the rank; the parent moves the deadline by the time it judged."""
+    path, delay = judged_path(root, run_id), 0.0005
+    while _read_judged(path) < step - lag:
+        time.sleep(delay)
+        delay = min(_POLL, delay * 2)
+
+
+class LiveRun:
+    """One run of a pass as the parent sees it: whether its launch has ended, and how many steps each
+    rank is known to have written (files that existed, judged and deleted ones included)."""
+
+    def __init__(self, root: str, run_id: str, world_size: int):
+        self.root, self.run_id, self.world_size = root, run_id, world_size
+        self.ended = threading.Event()
+        self.written = [0] * world_size
+        self.waited = 0.0       # seconds the parent spent waiting for this run's files
+        os.makedirs(os.path.join(root, run_id), exist_ok=True)
+
+    def path(self, step: int, rank: int) -> str:
+        from ddplab.compare.runners import capture_path
+
+        return capture_path(self.root, self.run_id, step, rank)
+
+    def has(self, step: int, rank: int) -> bool:
+        """Will rank ``rank`` ever have step ``step``? Waits until its file exists or the run ended."""
+        delay, started = 0.0005, time.perf_counter()
+        try:
+            while True:
+                if step < self.written[rank]:
+                    return True
+                ended = self.ended.is_set()    # read before the file: a file written just before the end counts
+                if os.path.exists(self.path(step, rank)):
+                    self.written[rank] = max(self.written[rank], step + 1)
+                    return True
+                if ended:
+                    return False
+                time.sleep(delay)
+                delay = min(_POLL, delay * 2)
+        finally:
+            self.waited += time.perf_counter() - started
+
+    def finished(self, rank: int) -> int:
+        """How many consecutive steps rank ``rank`` wrote (after the run ended)."""
+        done = self.written[rank]
+        while os.path.exists(self.path(done, rank)):
+            done += 1
+        self.written[rank] = done
+        return done
+
+    def delete_all(self, cache: CaptureCache) -> None:
+        """Delete (and forget) every capture written so far, counting it in :attr:`written`."""
+        cache.forget(self.run_id)
+        for step, rank, path in self._files():
+            self.written[rank] = max(self.written[rank], step + 1)   # a rank writes its steps in order
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+
+    def _files(self) -> list[tuple[int, int, str]]:
+        folder = os.path.join(self.root, self.run_id)
+        out = []
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            if name.startswith("s") and name.endswith(".pt") and "-r" in name:
+                step, rank = name[1:-3].split("-r")
+                out.append((int(step), int(rank), os.path.join(folder, name)))
+        return out
+
+    def judged(self, step: int, cache: CaptureCache, delete: bool = True) -> None:
+        """The parent judged ``step``: say so to the ranks; delete (and forget) every step before it."""
+        tmp = judged_path(self.root, self.run_id) + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(step))
+        os.replace(tmp, judged_path(self.root, self.run_id))
+        if not delete:
+            return
+        cache.keep_only(self.run_id, step, NEXT_STEP_READS)
+        if step < 1:
+            return
+        cache.forget(self.run_id, before=step)
+        for rank in range(self.world_size):
+            path = self.path(step - 1, rank)
+            if os.path.exists(path):
+                self.written[rank] = max(self.written[rank], step)
+                os.remove(path)
+
+
+class LiveCaptures(Captures):
+    """Rank ``rank``'s captures of a :class:`LiveRun`: step ``s`` is read when the rank wrote it;
+    :meth:`has` waits to know. ``len()`` is the steps planned; a step the run never wrote, or one at
+    or past the pass's cut (unless ``past_cut``), raises IndexError."""
+
+    def __init__(self, cache: CaptureCache, run: LiveRun, rank: int, steps: int, owner: "Pass",
+                 past_cut: bool = False):
+        super().__init__(cache, run.root, run.run_id, rank, steps)
+        self.run, self.owner, self.past_cut = run, owner, past_cut
+
+    def has(self, step: int) -> bool:
+        cut = None if self.past_cut else self.owner.cut
+        if step >= len(self) or (cut is not None and step >= cut):
+            return False
+        return self.run.has(step, self.rank)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            raise IndexError("live captures are walked a step at a time (captures.common_steps)")
+        if index < 0:
+            raise IndexError("live captures are indexed from step 0")
+        if not self.has(index):
+            raise IndexError(f"{self.run_id} rank {self.rank} has no step {index}")
+        return self.cache.get(self.root, self.run_id, self.rank, index)
+
+    def __repr__(self) -> str:
+        return f"LiveCaptures({self.run_id!r}, rank={self.rank}, planned={len(self)})"
+
+
+class Pass:
+    """The runs judged together, their launches (each in a thread of its own) and one cache to read
+    them through. ``cut``: the first step no source judges (a value turned non-finite there), None
+    while every step is judged. ``outcomes[key]``: how each launch ended (its result, or the
+    exception it raised); ``stopped_here``: the launches the pass itself stopped, not a failure of theirs."""
+
+    def __init__(self, root: str, cache: CaptureCache, steps: int):
+        self.root, self.cache, self.steps = root, cache, steps
+        self.runs: dict[str, LiveRun] = {}
+        self.cut: int | None = None
+        self.outcomes: dict[str, object] = {}
+        self.stopped_here: set[str] = set()
+        self._launches: dict[str, object] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._round_started = time.perf_counter()
+        self._waited = 0.0      # the runs' ``waited`` at the start of the round
+
+    def start(self, key: str, launch, run_ids: list[str], after=None) -> None:
+        """Run ``launch`` (a :class:`ddplab.launcher.Launch`) in a thread: the runs ``run_ids`` end when it
+        ends; ``after(outcome)`` is then called in that thread. A pass already closed starts nothing."""
+        with self._lock:
+            if self._closed:
+                self.outcomes[key] = None
+                self.stopped_here.add(key)
+                for run_id in run_ids:
+                    self.runs[run_id].ended.set()
+                return
+            self._launches[key] = launch
+
+        def go():
+            try:
+                outcome = launch.start().wait()
+            except BaseException as exc:  # noqa: BLE001 - kept: the comparison says how each launch ended
+                outcome = exc
+            self.outcomes[key] = outcome
+            for run_id in run_ids:
+                self.runs[run_id].ended.set()
+            if after is not None:
+                after(outcome)
+
+        thread = threading.Thread(target=go, name=f"ddplab-compare-{key}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def launches(self) -> list[str]:
+        """The keys of the launches started."""
+        with self._lock:
+            return list(self._launches)
+
+    def stop(self, keys) -> None:
+        """Stop these launches (safe from any thread): the pass no longer needs them."""
+        with self._lock:
+            running = [(k, self._launches[k]) for k in keys if k in self._launches and k not in self.outcomes]
+            self.stopped_here.update(k for k, _ in running)
+        for _, launch in running:
+            launch.stop()
+
+    def finish(self, stop=()) -> None:
+        """Every step that can be judged was: stop the launches ``stop`` (inputs nobody reads any more),
+        let the others train to their end without waiting for the parent, and wait for them all. Their
+        captures are deleted as they appear: nothing reads them."""
+        self.stop(list(stop))
+        for run in self.runs.values():
+            run.judged(_NEVER_WAIT, self.cache, delete=False)
+        while any(thread.is_alive() for thread in self._threads):
+            time.sleep(0.05)
+            self._delete_all()
+        self.close()
+
+    def close(self) -> None:
+        """Stop every launch still running, wait for them all, and delete the pass's captures."""
+        with self._lock:
+            self._closed = True
+        self.stop(list(self._launches))
+        for thread in self._threads:
+            thread.join()
+        self._delete_all()
+
+    def _delete_all(self) -> None:
+        for run in self.runs.values():
+            run.delete_all(self.cache)
+
+    def add(self, run_id: str, world_size: int) -> LiveRun:
+        self.runs[run_id] = LiveRun(self.root, run_id, world_size)
+        return self.runs[run_id]
+
+    def captures(self, run_id: str, rank: int = 0, past_cut: bool = False) -> LiveCaptures:
+        return LiveCaptures(self.cache, self.runs[run_id], rank, self.steps, self, past_cut)
+
+    def ranks(self, run_id: str, past_cut: bool = False) -> list[LiveCaptures]:
+        return [self.captures(run_id, r, past_cut) for r in range(self.runs[run_id].world_size)]
+
+    def cut_at(self, step: int) -> None:
+        """No source judges ``step`` or a step after it (a value turned non-finite there)."""
+        self.cut = step if self.cut is None else min(self.cut, step)
+
+    def judged(self, step: int) -> None:
+        """Every source judged ``step`` (:func:`ddplab.compare.captures.in_step`): release the ranks, delete
+        what no source reads again, and move each launch's deadline by the time the step took to judge --
+        time its ranks may have spent waiting for the parent, not hanging."""
+        for run in self.runs.values():
+            run.judged(step, self.cache)
+        now, waited = time.perf_counter(), sum(run.waited for run in self.runs.values())
+        judging = max(0.0, (now - self._round_started) - (waited - self._waited))
+        with self._lock:
+            launches = list(self._launches.values())
+        for launch in launches:
+            launch.extend(judging)
+        self._round_started, self._waited = now, waited

@@ -1,0 +1,48 @@
+"""A comparison judges each configuration as it trains: the ranks wait for the parent, which is no
+hang, and a reference run that fails after its first step ends the comparison with the reason."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddplab import compare
+from ddplab.compare import comparison, examples
+
+
+def test_a_parent_that_judges_slowly_is_not_a_hang(no_leftovers, monkeypatch):
+    reductions = comparison._reduction_steps
+
+    def slow(*args, **kwargs):              # the parent takes 1.5 s a step; the ranks wait for it
+        for records in reductions(*args, **kwargs):
+            time.sleep(1.5)
+            yield records
+
+    monkeypatch.setattr(comparison, "_reduction_steps", slow)
+    started = time.perf_counter()
+    result = compare.run(examples.digits_setup(0, steps=4), compare.DDP(2), timeout=3, progress=False)
+    assert time.perf_counter() - started > 3 + 3 * 1.5     # the run's launch lived beyond its timeout
+    assert result.kinds == {"ddp W=2": "exact"}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def _loss_failing_in_float64_on_marked_targets(out, target):
+    if out.dtype == torch.float64 and bool((target == 99.0).any()):
+        raise ArithmeticError("the float64 loss cannot take the marked batch")
+    return F.mse_loss(out, target)
+
+
+def test_a_reference_run_that_fails_after_its_first_step_is_reference_failed(no_leftovers):
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(3)]
+    batches[1][1][0, 0] = 99.0             # the truth fails at step 1: after the first launch tried step 0
+    setup = compare.Setup(model=_model, batches=batches, loss=_loss_failing_in_float64_on_marked_targets,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="marked")
+    with pytest.raises(compare.ReferenceFailed, match="the float64 loss cannot take the marked batch"):
+        compare.run(setup, compare.DDP(2), progress=False)

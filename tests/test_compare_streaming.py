@@ -15,15 +15,20 @@ from ddplab.compare import comparison, examples
 def test_a_parent_that_judges_slowly_is_not_a_hang(no_leftovers, monkeypatch):
     reductions = comparison._reduction_steps
 
-    def slow(*args, **kwargs):              # the parent takes 1.5 s a step; the ranks wait for it
+    def slow(*args, **kwargs):              # the parent takes 2.5 s a step; the ranks wait for it
         for records in reductions(*args, **kwargs):
-            time.sleep(1.5)
+            time.sleep(2.5)
             yield records
 
     monkeypatch.setattr(comparison, "_reduction_steps", slow)
-    started = time.perf_counter()
-    result = compare.run(examples.digits_setup(0, steps=4), compare.DDP(2), timeout=3, progress=False)
-    assert time.perf_counter() - started > 3 + 3 * 1.5     # the run's launch lived beyond its timeout
+    seen = {}
+
+    def progress(label, step, steps):
+        seen.setdefault(label, []).append(time.perf_counter())
+
+    result = compare.run(examples.digits_setup(0, steps=4), compare.DDP(2), timeout=4, progress=progress)
+    alive = seen["ddp W=2"][-1] - seen["ddp W=2"][0]
+    assert alive > 4                         # the run's ranks lived beyond the launch's timeout, waiting
     assert result.kinds == {"ddp W=2": "exact"}
 
 

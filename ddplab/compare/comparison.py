@@ -478,9 +478,9 @@ class _Session:
                                   on_record=self.on_record if variant == "run" else None)
         streamed.start(run_id, launch, [run_id], after)
 
-    def _start_references(self, streamed: Pass, runs: list[RunSpec]) -> None:
-        """The reference runs ``runs`` in one process beside the pass's configuration. A run trained
-        again for a later configuration streams its records once."""
+    def _start_references(self, streamed: Pass, runs: list[RunSpec], key: str = "references") -> None:
+        """The reference runs ``runs`` in one process beside the pass's configuration (launch ``key``).
+        A run trained again for a later configuration streams its records once."""
         again = {spec.label for spec in runs if spec.label in self._recorded}
         self._recorded.update(spec.label for spec in runs)
 
@@ -494,10 +494,10 @@ class _Session:
 
         launch = _launcher.Launch(reference_worker, world_size=1,
                                   args=(self.setup, runs, streamed.steps, streamed.root, self.facts["digest"], LAG),
-                                  timeout=self.timeout, on_record=on_record)
+                                  timeout=self.timeout, on_record=on_record, threads_per_rank=1)
         for spec in runs:
             streamed.add(spec.run_id, 1)
-        streamed.start("references", launch, [spec.run_id for spec in runs], after)
+        streamed.start(key, launch, [spec.run_id for spec in runs], after)
 
     def _pass_references(self, config: Configuration, precision: tuple) -> tuple[list[RunSpec], RunSpec]:
         """The reference runs ``config`` is judged against: the truth, the reference, the one in its
@@ -526,27 +526,37 @@ class _Session:
                 streamed.stop(list(variant_ids.values()))
 
         try:
+            runs, band = self._pass_references(config, config.dtypes())
+            fresh = [spec for spec in runs if spec.label not in self._recorded]
+            self._start_references(streamed, runs)
             self._start_configuration(streamed, config, run_id, "run", after_run)
             for variant, variant_id in variant_ids.items():
                 self._start_configuration(streamed, config, variant_id, variant)
             ranks = streamed.ranks(run_id)
-            # The band's precision: declared, or shown by the run's first step (autocast, a hook).
-            shown = _detected_precision(config, [[ranks[0][0]]], self.facts["dtype"]) if has_step(ranks[0], 0) else None
-            runs, band = self._pass_references(config, shown or config.dtypes())
-            fresh = [spec for spec in runs if spec.label not in self._recorded]
-            self._start_references(streamed, runs)
+            # Undeclared, the band's precision is what the run's first step shows (autocast, a hook):
+            # its reference starts then, in a process of its own.
+            shown = (_detected_precision(config, [[ranks[0][0]]], self.facts["dtype"])
+                     if config.dtypes() == (None, None) and has_step(ranks[0], 0) else None)
+            if shown:
+                matched, band = self._pass_references(config, shown)
+                extra = [spec for spec in matched if spec not in runs]
+                fresh += [spec for spec in extra if spec.label not in self._recorded]
+                self._start_references(streamed, extra, "references-precision")
+                runs += extra
             caps = {spec.run_id: streamed.captures(spec.run_id) for spec in runs}
             records, facts, own = self._judge(config, streamed, run_id, caps, band, fresh, variant_ids)
         except BaseException:
             streamed.close()
             raise
-        streamed.finish(stop=["references"])   # the run and its variants train on to their end
+        references = ["references", "references-precision"]
+        streamed.finish(stop=references)   # the run and its variants train on to their end
         self._keep_status(config, streamed.outcomes.get(run_id), run_id in streamed.stopped_here)
-        failed = streamed.outcomes.get("references")
-        if isinstance(failed, BaseException) and not isinstance(failed, _launcher.LaunchStopped):
-            raise _reference_failure(failed)
-        if isinstance(failed, _launcher.LaunchStopped) and "references" not in streamed.stopped_here:
-            self.stopped = True
+        for key in references:
+            failed = streamed.outcomes.get(key)
+            if isinstance(failed, BaseException) and not isinstance(failed, _launcher.LaunchStopped):
+                raise _reference_failure(failed)
+            if isinstance(failed, _launcher.LaunchStopped) and key not in streamed.stopped_here:
+                self.stopped = True
         if self.statuses[config.label][0] == "completed":
             records += self._own_records(config, streamed, variant_ids, own)
         facts.update(rank_steps=",".join(f"{r}:{streamed.runs[run_id].finished(r)}" for r in range(config.world_size)))

@@ -233,9 +233,10 @@ class Pass:
         self.stop(list(stop))
         for run in self.runs.values():
             run.judged(_NEVER_WAIT, self.cache, delete=False)
-        while any(thread.is_alive() for thread in self._threads):
-            time.sleep(0.05)
-            self._delete_all()
+        for thread in self._threads:
+            while thread.is_alive():
+                thread.join(0.02)
+                self._delete_all()
         self.close()
 
     def close(self) -> None:

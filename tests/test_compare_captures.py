@@ -92,3 +92,20 @@ def test_tensors_in_lists_tuples_and_nested_dicts_and_objects_met_twice(tmp_path
     inputs = back["collectives"][0]["tensors"]["inputs"]
     again = back["collectives"][0]["tensors"]["outputs"][1]
     assert inputs[1].data_ptr() == again.data_ptr()     # one small object met twice: one packed slice
+
+
+def test_ddp_gradients_that_are_their_buckets_result_are_written_once(tmp_path):
+    from ddplab.compare.runners import _views_of_buckets
+
+    result = torch.randn(300_000)
+    w, b = result[:200_000].view(400, 500).clone(), result[200_000:].clone()
+    b[7] = b[7].nextafter(torch.tensor(1.0))          # one ulp off the reduced result: kept as it is
+    grads = _views_of_buckets({"w": w, "b": b}, [dict(result=result, names=["w", "b"])])
+    assert grads["w"].untyped_storage().data_ptr() == result.untyped_storage().data_ptr()
+    assert grads["b"] is b
+    path = str(tmp_path / "cap.pt")
+    save_capture({"grads": grads, "buckets": [dict(result=result, names=["w", "b"])]}, path)
+    assert os.path.getsize(path) < (300_000 + 100_000) * 4 + 65536   # the bucket and the one gradient apart
+    back = read_capture(path)
+    assert torch.equal(back["grads"]["w"].view(torch.int32), w.view(torch.int32))
+    assert torch.equal(back["grads"]["b"].view(torch.int32), b.view(torch.int32))

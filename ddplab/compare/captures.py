@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 __all__ = ["CaptureCache", "Captures", "count_steps", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
-           "read_capture", "PACKED_NUMEL", "has_step", "common_steps"]
+           "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
@@ -51,7 +51,7 @@ def _packable(x) -> bool:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor | None:
+def bits_view(x: torch.Tensor) -> torch.Tensor | None:
     """``x``'s elements as integers of their size (a view, whatever its strides), or None for a tensor
     that is never merged with another (a subclass, a meta, quantized, conjugated or negated view)."""
     # Bits, not values: as floats -0.0 == 0.0 and NaN != NaN, yet a capture must give back exactly what
@@ -85,6 +85,12 @@ def _probe(bits: torch.Tensor) -> tuple:
     return tuple(torch.stack(picked).tolist())   # one transfer (one sync on a GPU)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do ``a`` and ``b`` hold the same dtype, shape and bits (:func:`bits_view`)?"""
+    x, y = bits_view(a), bits_view(b)
+    return x is not None and y is not None and a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(x, y))
+
+
 def _twins(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """For each large tensor of ``tensors`` (distinct objects) whose bits an earlier one repeats:
     ``id(tensor) -> the earlier one``. Tensors are compared whole only within a group of the same
@@ -92,7 +98,7 @@ def _twins(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     same: dict[int, torch.Tensor] = {}
     for x in tensors:
-        bits = _bits(x)
+        bits = bits_view(x)
         if bits is None:
             continue
         # type and requires_grad too: the tensor stored in a twin's place is what reads back there

@@ -277,6 +277,7 @@ class Capture:
                     optimizer=self.optim, **self.before)
         if self.buckets is not None:
             data["buckets"] = self.buckets.take()
+            data["grads"] = _views_of_buckets(grads, data["buckets"])
         if self.digests is not None:
             data["forward"] = self.digests.take()
             data["forward_dtypes"] = sorted(self.digests.dtypes)
@@ -298,6 +299,28 @@ class Capture:
         if self.lag is not None:
             from ddplab.compare.streaming import wait_for_parent
             wait_for_parent(self.root, self.run_id, step, self.lag)
+
+
+def _views_of_buckets(grads: dict | None, buckets: list[dict]) -> dict | None:
+    """``grads`` with every gradient whose bits are its slice of its bucket's reduced result replaced
+    by that slice: DDP copies each bucket's result into the gradients, and a capture then writes
+    those bytes once (a bucket's result holds its parameters' gradients one after another)."""
+    from ddplab.compare.captures import same_bits
+
+    if not grads:
+        return grads
+    out = dict(grads)
+    for bucket in buckets:   # a later reduction of a bucket (accumulation that syncs each micro-batch) last
+        flat, offset = bucket["result"].reshape(-1), 0
+        for name in bucket["names"]:
+            grad = grads.get(name)
+            if grad is None or offset + grad.numel() > flat.numel():
+                break
+            piece = flat[offset:offset + grad.numel()].view(grad.shape)
+            if same_bits(piece, grad):
+                out[name] = piece
+            offset += grad.numel()
+    return out
 
 
 def collective_state(record) -> dict:

@@ -496,7 +496,7 @@ class _Session:
                                   args=(self.setup, runs, streamed.steps, streamed.root, self.facts["digest"], LAG),
                                   timeout=self.timeout, on_record=on_record, threads_per_rank=1)
         for spec in runs:
-            streamed.add(spec.run_id, 1)
+            streamed.add(spec.run_id, 1, reads_next=spec.label)
         streamed.start(key, launch, [spec.run_id for spec in runs], after)
 
     def _pass_references(self, config: Configuration, precision: tuple) -> tuple[list[RunSpec], RunSpec]:
@@ -516,7 +516,7 @@ class _Session:
         (a value turned non-finite there; None: every step)."""
         run_id = f"config{index}"
         streamed = Pass(os.path.join(self.root, run_id), self.cache, self.steps)
-        streamed.add(run_id, config.world_size)
+        streamed.add(run_id, config.world_size, reads_next="configuration")
         variant_ids = {variant: f"{run_id}-{variant}" for variant in together}
         for variant_id in variant_ids.values():
             streamed.add(variant_id, config.world_size)

@@ -65,13 +65,14 @@ QUANTITIES = ("grad", "param")
 def _squared(x: torch.Tensor, truth: torch.Tensor) -> float:
     """‖x − truth‖² in float64, equal infinities and NaNs at the same places counting as equal;
     inf when another difference is not finite."""
-    diff = x.to(torch.float64) - truth.to(torch.float64)
+    truth = truth if truth.dtype == torch.float64 else truth.to(torch.float64)
+    diff = x - truth     # computed in float64 (type promotion): no float64 copy of x first
     norm = float(torch.linalg.vector_norm(diff))
     if math.isfinite(norm):   # every difference finite: one pass, no separate check
         return norm ** 2
     if not bool(torch.isfinite(diff).all()):
         # Only here can inf − inf or NaN − NaN stand for equal values: mask them and look again.
-        wide, truth = x.to(torch.float64), truth.to(torch.float64)
+        wide = x.to(torch.float64)
         same = (wide == truth) | (torch.isnan(wide) & torch.isnan(truth))
         diff = torch.where(same, torch.zeros_like(diff), diff)
         if not bool(torch.isfinite(diff).all()):

@@ -29,9 +29,9 @@ __all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "judged_path", "LiveRun"
 LAG = 1
 #: The longest a rank sleeps between two looks at the parent's progress, in seconds.
 _POLL = 0.02
-#: What the sources read of a step once it is judged: the next step's replay starts from its
-#: parameters and optimizer state; localization, from the truth's parameters.
-NEXT_STEP_READS = ("params", "optimizer")
+#: What the sources read of a step once it is judged, by run: the next step's replay starts from
+#: a configuration's parameters and optimizer state; localization, from the truth's parameters.
+NEXT_STEP_READS = {"configuration": ("params", "optimizer"), "truth": ("params",)}
 #: The judged step that lets a rank run to its end: nothing judges its steps any more.
 _NEVER_WAIT = 2**62
 
@@ -62,8 +62,8 @@ class LiveRun:
     """One run of a pass as the parent sees it: whether its launch has ended, and how many steps each
     rank is known to have written (files that existed, judged and deleted ones included)."""
 
-    def __init__(self, root: str, run_id: str, world_size: int):
-        self.root, self.run_id, self.world_size = root, run_id, world_size
+    def __init__(self, root: str, run_id: str, world_size: int, kept: tuple = ()):
+        self.root, self.run_id, self.world_size, self.kept = root, run_id, world_size, kept
         self.ended = threading.Event()
         self.written = [0] * world_size
         self.waited = 0.0       # seconds the parent spent waiting for this run's files
@@ -127,7 +127,7 @@ class LiveRun:
         os.replace(tmp, judged_path(self.root, self.run_id))
         if not delete:
             return
-        cache.keep_only(self.run_id, step, NEXT_STEP_READS)
+        cache.keep_only(self.run_id, step, self.kept)
         if step < 1:
             return
         cache.forget(self.run_id, before=step)
@@ -252,8 +252,10 @@ class Pass:
         for run in self.runs.values():
             run.delete_all(self.cache)
 
-    def add(self, run_id: str, world_size: int) -> LiveRun:
-        self.runs[run_id] = LiveRun(self.root, run_id, world_size)
+    def add(self, run_id: str, world_size: int, reads_next: str | None = None) -> LiveRun:
+        """A run of the pass; ``reads_next``: which of :data:`NEXT_STEP_READS` a source reads of its
+        step once judged (None: nothing)."""
+        self.runs[run_id] = LiveRun(self.root, run_id, world_size, NEXT_STEP_READS.get(reads_next, ()))
         return self.runs[run_id]
 
     def captures(self, run_id: str, rank: int = 0, past_cut: bool = False) -> LiveCaptures:

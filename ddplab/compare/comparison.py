@@ -30,6 +30,7 @@ import functools
 import os
 import shutil
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -207,9 +208,10 @@ def _unit(spec: RunSpec, dtype: torch.dtype) -> float:
     return unit_roundoff(spec.param_dtype or spec.dtype or dtype)
 
 
-def _reference_records(caps: dict, runs: list[RunSpec], dtype: torch.dtype) -> StepRecords:
+def _reference_records(caps: dict, runs: list[RunSpec], dtype: torch.dtype, done: dict[str, int]) -> StepRecords:
     """The referee's distances of each single-process run in ``runs`` (not the truth, not a promise:
-    those are judged per configuration) from the truth, per step."""
+    those are judged per configuration) from the truth, per step: of the steps from ``done[label]``
+    on (the ones an earlier pass judged are in already)."""
     judged = [spec for spec in runs if spec.label != "truth" and spec.world_size == 1 and spec.k == 1]
     if not judged:
         return
@@ -217,6 +219,9 @@ def _reference_records(caps: dict, runs: list[RunSpec], dtype: torch.dtype) -> S
     for step in common_steps(truth, *(caps[spec.run_id] for spec in judged)):
         recs = []
         for spec in judged:
+            if step < done.get(spec.label, 0):
+                continue
+            done[spec.label] = step + 1
             cap = caps[spec.run_id][step]
             for quantity in _referee.QUANTITIES:
                 key = quantity + "s"
@@ -436,7 +441,8 @@ class _Session:
         self.statuses: dict[str, tuple[str, BaseException | None]] = {}
         self.stopped = False
         self._reads: dict[int, bool] = {}                  # world size -> the loss reads the process group
-        self._recorded: set[str] = set()                   # reference runs whose records are in
+        self._judged: dict[str, int] = {}                  # reference run -> steps whose distances are in
+        self._streamed: set[tuple] = set()                 # the reference runs' records streamed so far
         # What the evidence sources read at one step (:func:`in_step`): every rank's capture of it and of
         # the step before (the replay's start), the twin's ranks, the float64 run, the reference runs of
         # the pass. The parent holds these few, whatever the steps.
@@ -480,12 +486,11 @@ class _Session:
 
     def _start_references(self, streamed: Pass, runs: list[RunSpec], key: str = "references") -> None:
         """The reference runs ``runs`` in one process beside the pass's configuration (launch ``key``).
-        A run trained again for a later configuration streams its records once."""
-        again = {spec.label for spec in runs if spec.label in self._recorded}
-        self._recorded.update(spec.label for spec in runs)
-
+        A run trained again for a later configuration streams each record once."""
         def on_record(rec: dict) -> None:
-            if rec.get("config") not in again:
+            key = (rec.get("config"), rec.get("metric"), rec.get("step"), rec.get("rank"))
+            if key not in self._streamed:
+                self._streamed.add(key)
                 self.on_record(rec)
 
         def after(outcome) -> None:   # without the references nothing of the pass can be judged
@@ -527,7 +532,6 @@ class _Session:
 
         try:
             runs, band = self._pass_references(config, config.dtypes())
-            fresh = [spec for spec in runs if spec.label not in self._recorded]
             self._start_references(streamed, runs)
             self._start_configuration(streamed, config, run_id, "run", after_run)
             for variant, variant_id in variant_ids.items():
@@ -540,11 +544,11 @@ class _Session:
             if shown:
                 matched, band = self._pass_references(config, shown)
                 extra = [spec for spec in matched if spec not in runs]
-                fresh += [spec for spec in extra if spec.label not in self._recorded]
-                self._start_references(streamed, extra, "references-precision")
-                runs += extra
+                if extra:
+                    self._start_references(streamed, extra, "references-precision")
+                    runs += extra
             caps = {spec.run_id: streamed.captures(spec.run_id) for spec in runs}
-            records, facts, own = self._judge(config, streamed, run_id, caps, band, fresh, variant_ids)
+            records, facts, own = self._judge(config, streamed, run_id, caps, band, runs, variant_ids)
         except BaseException:
             streamed.close()
             raise
@@ -564,7 +568,7 @@ class _Session:
         return records, facts, streamed.cut
 
     def _judge(self, config: Configuration, streamed: Pass, run_id: str, caps: dict, band: RunSpec,
-               fresh: list[RunSpec], variant_ids: dict) -> tuple[list[dict], dict, dict]:
+               runs: list[RunSpec], variant_ids: dict) -> tuple[list[dict], dict, dict]:
         """Every source of ``config``'s evidence, a step at a time as the pass's runs write them."""
         ranks = streamed.ranks(run_id)
         batches = global_batches(self.setup, self.steps)
@@ -585,7 +589,7 @@ class _Session:
                for variant, variant_id in variant_ids.items()}
         found, recs, references, reductions, collectives, mesh, replayed, promised, located, *mine = in_step(
             finite, _config_steps(config, ranks, caps, band, dtype, seen),
-            _reference_records(caps, fresh, dtype), _reduction_steps(config, ranks),
+            _reference_records(caps, runs, dtype, self._judged), _reduction_steps(config, ranks),
             _recorded.collective_records(config, ranks, dtype), _mesh_evidence.mesh_records(config, ranks, dtype),
             _replay.replay_records(self.setup, config, ranks, batches), semantic,
             _localization.localize_steps(self.setup, config, caps, ranks, seen), *own.values(),
@@ -706,7 +710,8 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     :class:`~ddplab.compare.Custom`; ``steps``: how many global batches
     (default: all); ``timeout``: seconds per launch before it counts as hung;
     ``progress``: True for one bar per run, False for none, or a callable
-    ``fn(config, step, steps)`` called as each step finishes.
+    ``fn(config, step, steps)`` called as each step finishes (from the thread
+    that watches that launch, one call at a time).
 
     Raises ValueError before any process starts when a configuration is
     unusable, and before any configuration starts when the setup is (a
@@ -730,6 +735,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
         raise ValueError(f"progress must be True, False or a callable (config, step, steps), got {progress!r}")
     _launcher.check_timeout(timeout)
     streamed: list[dict] = []   # what the ranks emit as they run: losses, gradient norms, audits
+    lock = threading.Lock()
     bars = None
     try:
         with tempfile.TemporaryDirectory(prefix="ddplab-compare-") as root:
@@ -738,9 +744,10 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
             steps = facts["steps"]
             bars = _Progress(steps, progress is True, progress if callable(progress) else None)
 
-            def on_record(rec: dict) -> None:
-                streamed.append(rec)
-                bars(rec)
+            def on_record(rec: dict) -> None:   # from the threads that watch a pass's launches
+                with lock:
+                    streamed.append(rec)
+                    bars(rec)
 
             runs = reference_runs(configs, promises=not facts["random"])
             session = _Session(setup, configs, facts, runs, root, timeout, on_record)

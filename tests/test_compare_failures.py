@@ -50,6 +50,11 @@ def test_crash_and_hang_are_reported_and_the_others_still_publish(no_leftovers):
     assert status.loc["crash_on_rank_1_at_step_1 W=2", "status"] == "crashed"
     assert status.loc["hang_on_rank_1_at_step_1 W=2", "status"] == "hung"
     assert status.loc["ddp W=2", "value"] == 3
+    # The reference runs train again beside each configuration: the crash cut the first pass short, and
+    # a later one completes their curves and distances, each record once.
+    ref = frame[frame["config"] == "reference"]
+    assert sorted(ref[ref["metric"] == "grad_norm"]["step"]) == [0, 1, 2]
+    assert sorted(ref[(ref["metric"] == "distance_to_truth") & (ref["param"] == "(model)")]["step"]) == [0, 0, 1, 1, 2, 2]
 
 
 @pytest.mark.slow  # the default suite stops your_training through the explorer's Stop

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["CaptureCache", "Captures", "count_steps", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
+__all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
            "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
@@ -215,16 +215,6 @@ def common_steps(*captures: Sequence) -> Iterator[int]:
         step += 1
 
 
-def count_steps(root: str, run_id: str, steps: int, rank: int) -> int:
-    """How many consecutive steps, from 0, the rank finished (their files exist)."""
-    from ddplab.compare.runners import capture_path
-
-    done = 0
-    while done < steps and os.path.exists(capture_path(root, run_id, done, rank)):
-        done += 1
-    return done
-
-
 #: Bytes of captures (as stored on disk) a cache keeps beyond its ``size`` most recent ones: a small
 #: model's whole comparison is then read once, whatever order the evidence sources walk its steps.
 SPARE_BYTES = 16 * 2**20
@@ -280,11 +270,6 @@ class Captures(Sequence):
 
     def __init__(self, cache: CaptureCache, root: str, run_id: str, rank: int, length: int):
         self.cache, self.root, self.run_id, self.rank, self._len = cache, root, run_id, rank, length
-
-    @classmethod
-    def on_disk(cls, cache: CaptureCache, root: str, run_id: str, rank: int, steps: int) -> "Captures":
-        """The steps of ``run_id`` that rank ``rank`` finished, up to ``steps``."""
-        return cls(cache, root, run_id, rank, count_steps(root, run_id, steps, rank))
 
     def __len__(self) -> int:
         return self._len

@@ -56,7 +56,7 @@ from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_bat
                                   global_batches, model_digest, named_trainable)
 
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
-           "capture_path", "load_capture", "reference_worker", "train_references", "DIFFERENT_MODEL", "VARIANTS",
+           "capture_path", "reference_worker", "train_references", "DIFFERENT_MODEL", "VARIANTS",
            "collective_state", "collective_record", "precision_reference", "TRAINERS", "register_trainer",
            "configuration_worker", "reference_runs"]
 
@@ -66,16 +66,6 @@ __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_s
 
 def capture_path(root: str, run_id: str, step: int, rank: int) -> str:
     return os.path.join(root, run_id, f"s{step:06d}-r{rank:04d}.pt")
-
-
-def load_capture(root: str, run_id: str, step: int, rank: int) -> dict | None:
-    """One rank's capture of one step, or None when that step did not finish."""
-    from ddplab.compare.captures import read_capture
-
-    path = capture_path(root, run_id, step, rank)
-    if not os.path.exists(path):
-        return None
-    return read_capture(path, mmap=False)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

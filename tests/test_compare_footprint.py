@@ -53,6 +53,7 @@ def test_what_a_comparison_needs_is_stated_and_never_more_than_it_holds(no_lefto
         return judged(self, step)
 
     monkeypatch.setattr(streaming.Pass, "judged", measured)
+    monkeypatch.setattr(comparison, "KEEP_REFERENCES_BYTES", 0)   # as for a large model: references stream too
     custom = compare.Custom(2, k=2, train_step=examples.accumulate_correctly)   # with its twin and float64 run
     result = compare.run(examples.digits_setup(0, steps=6), [compare.DDP(2), custom], progress=False)
     need = result.footprint

@@ -15,9 +15,9 @@ from ddplab.compare import comparison, examples
 def test_a_parent_that_judges_slowly_is_not_a_hang(no_leftovers, monkeypatch):
     reductions = comparison._reduction_steps
 
-    def slow(*args, **kwargs):              # the parent takes 2.5 s a step; the ranks wait for it
-        for records in reductions(*args, **kwargs):
-            time.sleep(2.5)
+    def slow(*args, **kwargs):              # the parent takes 2 s to judge each of steps 0 and 1
+        for step, records in enumerate(reductions(*args, **kwargs)):
+            time.sleep(2 if step < 2 else 0)
             yield records
 
     monkeypatch.setattr(comparison, "_reduction_steps", slow)
@@ -26,9 +26,9 @@ def test_a_parent_that_judges_slowly_is_not_a_hang(no_leftovers, monkeypatch):
     def progress(label, step, steps):
         seen.setdefault(label, []).append(time.perf_counter())
 
-    result = compare.run(examples.digits_setup(0, steps=4), compare.DDP(2), timeout=4, progress=progress)
+    result = compare.run(examples.digits_setup(0, steps=4), compare.DDP(2), timeout=3, progress=progress)
     alive = seen["ddp W=2"][-1] - seen["ddp W=2"][0]
-    assert alive > 4                         # the run's ranks lived beyond the launch's timeout, waiting
+    assert alive > 3          # step 3 waited for step 1 to be judged: beyond the launch's timeout
     assert result.kinds == {"ddp W=2": "exact"}
 
 
@@ -51,3 +51,27 @@ def test_a_reference_run_that_fails_after_its_first_step_is_reference_failed(no_
                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="marked")
     with pytest.raises(compare.ReferenceFailed, match="the float64 loss cannot take the marked batch"):
         compare.run(setup, compare.DDP(2), progress=False)
+
+
+def _reference_launches(monkeypatch, keep_bytes: int) -> tuple[dict, int]:
+    from ddplab import launcher
+
+    monkeypatch.setattr(comparison, "KEEP_REFERENCES_BYTES", keep_bytes)
+    launches = set()
+
+    def seen(run, rec):
+        if run.fn_name == "reference_worker":
+            launches.add(id(run))
+
+    with launcher.observe(seen):
+        result = compare.run(examples.digits_setup(0, steps=3), [compare.DDP(2), compare.DDP(2, name="again")],
+                             progress=False)
+    return result.kinds, len(launches)
+
+
+def test_a_small_models_reference_runs_train_once_and_a_large_ones_beside_each_configuration(no_leftovers,
+                                                                                              monkeypatch):
+    kept, once = _reference_launches(monkeypatch, comparison.KEEP_REFERENCES_BYTES)
+    streamed, each = _reference_launches(monkeypatch, 0)
+    assert once == 1 and each == 2
+    assert kept == streamed == {"ddp W=2": "exact", "again": "exact"}

@@ -69,6 +69,9 @@ DEFAULT_TIMEOUT = 300.0
 MODEL_COPIES = 8
 #: The largest model (in parameters) whose twin and float64 run start alongside its run.
 ALONGSIDE_NUMEL = 1_000_000
+#: The most bytes the reference runs' captures of every step may take to be written once and kept
+#: for every configuration (:attr:`_Session.keep_references`).
+KEEP_REFERENCES_BYTES = 64 * 2**20
 
 
 class ReferenceFailed(RuntimeError):
@@ -443,6 +446,8 @@ class _Session:
         self._reads: dict[int, bool] = {}                  # world size -> the loss reads the process group
         self._judged: dict[str, int] = {}                  # reference run -> steps whose distances are in
         self._streamed: set[tuple] = set()                 # the reference runs' records streamed so far
+        self._whole: set[str] = set()                      # reference runs kept whole on disk
+        self.reference_bytes: dict[str, int] = {}          # a step of each reference run, by label
         # What the evidence sources read at one step (:func:`in_step`): every rank's capture of it and of
         # the step before (the replay's start), the twin's ranks, the float64 run, the reference runs of
         # the pass. The parent holds these few, whatever the steps.
@@ -485,24 +490,46 @@ class _Session:
         streamed.start(run_id, launch, [run_id], after)
 
     def _start_references(self, streamed: Pass, runs: list[RunSpec], key: str = "references") -> None:
-        """The reference runs ``runs`` in one process beside the pass's configuration (launch ``key``).
-        A run trained again for a later configuration streams each record once."""
+        """The reference runs ``runs`` beside the pass's configuration: those a small model's earlier
+        pass wrote whole (:attr:`keep_references`) are read again; the others train in one process
+        (launch ``key``), each record streamed once."""
+        folder = os.path.join(self.root, "references") if self.keep_references else None
+        for spec in runs:
+            streamed.add(spec.run_id, 1, reads_next=spec.label, kept_in=folder,
+                         written=spec.run_id in self._whole)
+        train = [spec for spec in runs if spec.run_id not in self._whole]
+        if not train:
+            return
+        for spec in train if folder else ():   # what a stopped pass left of them is written anew
+            shutil.rmtree(os.path.join(folder, spec.run_id), ignore_errors=True)
+            os.makedirs(os.path.join(folder, spec.run_id))
+
         def on_record(rec: dict) -> None:
             key = (rec.get("config"), rec.get("metric"), rec.get("step"), rec.get("rank"))
             if key not in self._streamed:
                 self._streamed.add(key)
                 self.on_record(rec)
 
-        def after(outcome) -> None:   # without the references nothing of the pass can be judged
+        def after(outcome) -> None:
             if isinstance(outcome, BaseException) and not isinstance(outcome, _launcher.LaunchStopped):
-                streamed.stop(streamed.launches())
+                streamed.stop(streamed.launches())   # without the references nothing of the pass can be judged
+            elif folder is not None and not isinstance(outcome, BaseException):
+                self._whole.update(spec.run_id for spec in train)   # every step on disk, for a later pass
 
+        # Kept whole, they need not wait for the parent; otherwise they keep pace with it.
         launch = _launcher.Launch(reference_worker, world_size=1,
-                                  args=(self.setup, runs, streamed.steps, streamed.root, self.facts["digest"], LAG),
+                                  args=(self.setup, train, streamed.steps, folder or streamed.root,
+                                        self.facts["digest"], None if folder else LAG),
                                   timeout=self.timeout, on_record=on_record, threads_per_rank=1)
-        for spec in runs:
-            streamed.add(spec.run_id, 1, reads_next=spec.label)
-        streamed.start(key, launch, [spec.run_id for spec in runs], after)
+        streamed.start(key, launch, [spec.run_id for spec in train], after)
+
+    @property
+    def keep_references(self) -> bool:
+        """Are the reference runs written whole once and read by every configuration? When every
+        step of them fits :data:`KEEP_REFERENCES_BYTES` (measured by the first launch): a small
+        model's comparison then trains them once, a larger one beside each configuration."""
+        sizes = self.reference_bytes
+        return bool(sizes) and self.steps * sum(sizes.values()) <= KEEP_REFERENCES_BYTES
 
     def _pass_references(self, config: Configuration, precision: tuple) -> tuple[list[RunSpec], RunSpec]:
         """The reference runs ``config`` is judged against: the truth, the reference, the one in its
@@ -553,7 +580,8 @@ class _Session:
             streamed.close()
             raise
         references = ["references", "references-precision"]
-        streamed.finish(stop=references)   # the run and its variants train on to their end
+        # The run and its variants train on to their end; so do reference runs kept whole for later passes.
+        streamed.finish(stop=[] if self.keep_references else references)
         self._keep_status(config, streamed.outcomes.get(run_id), run_id in streamed.stopped_here)
         for key in references:
             failed = streamed.outcomes.get(key)
@@ -637,7 +665,7 @@ class _Session:
         except BaseException:
             streamed.close()
             raise
-        streamed.finish(stop=["references"])
+        streamed.finish(stop=[] if self.keep_references else ["references"])
         failed = streamed.outcomes.get("references")
         if isinstance(failed, BaseException) and not isinstance(failed, _launcher.LaunchStopped):
             raise _reference_failure(failed)
@@ -681,7 +709,7 @@ class _Session:
     def footprint(self, first: str) -> _footprint.Footprint | None:
         """What the configurations will need of the machine at least (:mod:`ddplab.compare.footprint`),
         from the sizes of the reference runs' first captures under ``first``; None without them."""
-        sizes = _footprint.capture_sizes(first, self.runs)
+        self.reference_bytes = sizes = _footprint.capture_sizes(first, self.runs)
         if not {"reference", "truth"} <= sizes.keys():
             return None
         shapes = []

@@ -62,8 +62,9 @@ class LiveRun:
     """One run of a pass as the parent sees it: whether its launch has ended, and how many steps each
     rank is known to have written (files that existed, judged and deleted ones included)."""
 
-    def __init__(self, root: str, run_id: str, world_size: int, kept: tuple = ()):
+    def __init__(self, root: str, run_id: str, world_size: int, kept: tuple = (), deleted: bool = True):
         self.root, self.run_id, self.world_size, self.kept = root, run_id, world_size, kept
+        self.deleted = deleted   # False: its captures stay for a later pass (a small model's reference runs)
         self.ended = threading.Event()
         self.written = [0] * world_size
         self.waited = 0.0       # seconds the parent spent waiting for this run's files
@@ -104,6 +105,9 @@ class LiveRun:
         """Delete (and forget) every capture written so far, counting it in :attr:`written`."""
         cache.forget(self.run_id)
         for step, rank, path in self._files():
+            if not self.deleted:
+                self.written[rank] = max(self.written[rank], step + 1)
+                continue
             self.written[rank] = max(self.written[rank], step + 1)   # a rank writes its steps in order
             try:
                 os.remove(path)
@@ -121,6 +125,9 @@ class LiveRun:
 
     def judged(self, step: int, cache: CaptureCache, delete: bool = True) -> None:
         """The parent judged ``step``: say so to the ranks; delete (and forget) every step before it."""
+        if not self.deleted:
+            cache.forget(self.run_id, before=step)   # on disk for a later pass; out of memory now
+            return
         tmp = judged_path(self.root, self.run_id) + ".tmp"
         with open(tmp, "w") as f:
             f.write(str(step))
@@ -252,11 +259,17 @@ class Pass:
         for run in self.runs.values():
             run.delete_all(self.cache)
 
-    def add(self, run_id: str, world_size: int, reads_next: str | None = None) -> LiveRun:
+    def add(self, run_id: str, world_size: int, reads_next: str | None = None, kept_in: str | None = None,
+            written: bool = False) -> LiveRun:
         """A run of the pass; ``reads_next``: which of :data:`NEXT_STEP_READS` a source reads of its
-        step once judged (None: nothing)."""
-        self.runs[run_id] = LiveRun(self.root, run_id, world_size, NEXT_STEP_READS.get(reads_next, ()))
-        return self.runs[run_id]
+        step once judged (None: nothing); ``kept_in``: a folder where its captures are written and
+        kept for a later pass (``written``: they are there already, every step)."""
+        run = LiveRun(kept_in or self.root, run_id, world_size, NEXT_STEP_READS.get(reads_next, ()),
+                      deleted=kept_in is None)
+        if written:
+            run.ended.set()
+        self.runs[run_id] = run
+        return run
 
     def captures(self, run_id: str, rank: int = 0, past_cut: bool = False) -> LiveCaptures:
         return LiveCaptures(self.cache, self.runs[run_id], rank, self.steps, self, past_cut)

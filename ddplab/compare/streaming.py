@@ -6,7 +6,9 @@ and its float64 run) writes one capture per step and rank. After writing step ``
 every run of the pass together (:func:`ddplab.compare.captures.in_step`), then marks it judged and
 deletes what no source reads again (:meth:`Pass.judged`): every step before it -- the replay starts
 step ``s`` from the state step ``s - 1`` left. A run's captures on disk are then at most
-``LAG + 2`` steps, whatever the number of steps.
+``LAG + 2`` steps, whatever the number of steps. A run *kept* in a folder of its own
+(:meth:`Pass.add`: a small model's reference runs, read again by later passes) neither waits nor
+is deleted.
 
 :class:`LiveCaptures` is one rank's steps of a run that may still be training: asking for a step
 waits until its file exists or the run has ended. Sources walk steps with

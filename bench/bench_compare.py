@@ -10,7 +10,8 @@
 * False alarms: the correct example over ``--seeds`` seeds under every
   built-in configuration, and correct Custom steps (accumulation with and
   without no_sync, a hand-written all-reduce, autocast, hand-written fp16/bf16
-  hooks); counts configurations not judged as expected. Target 0.
+  hooks) and a correct Custom step on DDP compiled with torch.compile (``--only
+  compiled`` alone); counts configurations not judged as expected. Target 0.
 * Planted bugs: every planted example over ``--seeds`` seeds; counts those
   named with the right verdict and finding (and factor / missing pieces). Target 100%.
 * ``--sensitivity``: quiet faults of every size down to one ulp, planted in the
@@ -22,7 +23,7 @@
 
 Asserts nothing (machines are noisy); prints numbers.
 
-    python bench/bench_compare.py [--rounds 5] [--seeds 20] [--only overhead|alarms|planted] [--calibrate]
+    python bench/bench_compare.py [--rounds 5] [--seeds 20] [--only overhead|alarms|compiled|planted] [--calibrate]
     python bench/bench_compare.py --sensitivity [--seeds 3]
 """
 from __future__ import annotations
@@ -236,6 +237,37 @@ def custom_false_alarms(seeds: int, steps: int) -> None:
         print("   ", alarm)
 
 
+def _step_compiled(ctx):
+    ctx.optimizer.zero_grad(set_to_none=True)
+    loss = ctx.forward_loss(ctx.shard)
+    loss.backward()
+    ctx.optimizer.step()
+    return loss
+
+
+def _compile_ddp(model):
+    from torch.nn.parallel import DistributedDataParallel
+
+    return torch.compile(DistributedDataParallel(model))
+
+
+def compiled_false_alarms(seeds: int, steps: int) -> None:
+    """A correct Custom step on DDP compiled with torch.compile (inductor, its defaults) over seeds:
+    never bug. Its twin and float64 run compile too."""
+    kinds, alarms = [], []
+    config = compare.Custom(2, train_step=_step_compiled, wrap=_compile_ddp, name="compiled DDP step")
+    for seed in range(seeds):
+        verdict = compare.run(examples.digits_setup(seed, steps=steps), config, progress=False).verdict(config)
+        kinds.append(f"{verdict.kind}/{verdict.evidence}")
+        if verdict.kind not in ("rounding", "exact", "approximation"):
+            alarms.append((seed, verdict.kind, verdict.headline))
+    print(f"false alarms on a correct compiled Custom step: {len(alarms)} of {seeds} runs ({seeds} seeds), "
+          f"load average {load_average()[0]:.2f}   (target 0)")
+    print(f"    {config.label:45s} {', '.join(sorted(set(kinds)))}")
+    for alarm in alarms:
+        print("   ", alarm)
+
+
 # --------------------------------------------------------------------------- calibration of the margins
 
 
@@ -271,7 +303,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--only", choices=("overhead", "alarms", "planted"))
+    parser.add_argument("--only", choices=("overhead", "alarms", "compiled", "planted"))
     parser.add_argument("--alarm-configs", help="false alarms: only configurations whose label contains this")
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--sensitivity", action="store_true",
@@ -291,6 +323,8 @@ def main() -> None:
     if args.only in (None, "alarms"):
         false_alarms(args.seeds, args.steps, args.alarm_configs)
         custom_false_alarms(args.seeds, args.steps)
+    if args.only in (None, "alarms", "compiled"):
+        compiled_false_alarms(args.seeds, args.steps)
     if args.only in (None, "planted"):
         planted(args.seeds, min(args.steps, 4))
     print(machine_line())

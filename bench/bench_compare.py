@@ -237,25 +237,11 @@ def custom_false_alarms(seeds: int, steps: int) -> None:
         print("   ", alarm)
 
 
-def _step_compiled(ctx):
-    ctx.optimizer.zero_grad(set_to_none=True)
-    loss = ctx.forward_loss(ctx.shard)
-    loss.backward()
-    ctx.optimizer.step()
-    return loss
-
-
-def _compile_ddp(model):
-    from torch.nn.parallel import DistributedDataParallel
-
-    return torch.compile(DistributedDataParallel(model))
-
-
 def compiled_false_alarms(seeds: int, steps: int) -> None:
     """A correct Custom step on DDP compiled with torch.compile (inductor, its defaults) over seeds:
     never bug. Its twin and float64 run compile too."""
     kinds, alarms = [], []
-    config = compare.Custom(2, train_step=_step_compiled, wrap=_compile_ddp, name="compiled DDP step")
+    config = compare.Custom(2, train_step=examples.plain_step, wrap=examples.compiled_ddp, name="compiled DDP step")
     for seed in range(seeds):
         verdict = compare.run(examples.digits_setup(seed, steps=steps), config, progress=False).verdict(config)
         kinds.append(f"{verdict.kind}/{verdict.evidence}")

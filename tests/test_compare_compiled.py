@@ -117,20 +117,6 @@ def test_the_readme_compiled_model_reads_exact_with_the_full_replay(warm_launche
     assert not result.records["param"].dropna().astype(str).str.contains("_orig_mod").any()
 
 
-def _compiled_after_ddp(ctx):
-    ctx.optimizer.zero_grad(set_to_none=True)
-    loss = ctx.forward_loss(ctx.shard)
-    loss.backward()
-    ctx.optimizer.step()
-    return loss
-
-
-def _compile_after_ddp(model):
-    from torch.nn.parallel import DistributedDataParallel
-
-    return torch.compile(DistributedDataParallel(model))
-
-
 def _compiled_in_place(seed: int = 0) -> nn.Module:
     from ddplab.compare.examples import _build
 
@@ -147,7 +133,7 @@ def test_compiled_after_ddp_or_in_place_reads_exact_or_rounding(warm_launcher):
 
     setup = examples.digits_setup(0, steps=2, batch_size=32)
     configs = [compare.DDP(2, compile=True),
-               compare.Custom(2, train_step=_compiled_after_ddp, wrap=_compile_after_ddp, name="custom compiled")]
+               compare.Custom(2, train_step=examples.plain_step, wrap=examples.compiled_ddp, name="custom compiled")]
     result = compare.run(setup, configs, progress=False)
     assert result.verdict(configs[0]).kind == "exact", result.verdict(configs[0]).headline
     custom = result.verdict(configs[1])

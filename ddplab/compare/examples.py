@@ -52,7 +52,7 @@ __all__ = ["MODELS", "BATCHNORM_MODELS", "OPTIMIZERS", "Example", "Expected", "d
            "sync_batchnorm_configurations", "accumulate_correctly", "accumulate_without_division",
            "zero_grad_in_loop", "average_by_hand_skipping_own", "no_allreduce",
            "accumulate_with_sync_every_micro_batch", "average_by_hand", "autocast_bfloat16", "ddp_with_own_hook", "own_fp16_hook", "own_bf16_hook",
-           "plain_step", "correct_custom_steps"]
+           "plain_step", "compiled_ddp", "correct_custom_steps"]
 
 #: Networks :func:`digits_setup` builds whose every built-in configuration is correct.
 MODELS = ("mlp", "deep", "cnn")
@@ -208,6 +208,13 @@ def ddp_with_own_hook(hook, model: nn.Module) -> nn.Module:
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(None, hook)
     return ddp
+
+
+def compiled_ddp(model: nn.Module) -> nn.Module:
+    """``wrap`` for a Custom step: DDP compiled with ``torch.compile`` at its defaults (inductor)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return torch.compile(DistributedDataParallel(model))
 
 
 def plain_step(ctx: StepContext):

@@ -495,7 +495,7 @@ class _Session:
         (launch ``key``), each record streamed once."""
         folder = os.path.join(self.root, "references") if self.keep_references else None
         for spec in runs:
-            streamed.add(spec.run_id, 1, reads_next=spec.label, kept_in=folder,
+            streamed.add(spec.run_id, 1, reads_next="truth" if spec.label == "truth" else None, kept_in=folder,
                          written=spec.run_id in self._whole)
         train = [spec for spec in runs if spec.run_id not in self._whole]
         if not train:

@@ -56,7 +56,7 @@ from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_bat
                                   global_batches, model_digest, named_trainable)
 
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
-           "capture_path", "reference_worker", "train_references", "DIFFERENT_MODEL", "VARIANTS",
+           "capture_path", "captured_files", "reference_worker", "train_references", "DIFFERENT_MODEL", "VARIANTS",
            "collective_state", "collective_record", "precision_reference", "TRAINERS", "register_trainer",
            "configuration_worker", "reference_runs"]
 
@@ -66,6 +66,17 @@ __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_s
 
 def capture_path(root: str, run_id: str, step: int, rank: int) -> str:
     return os.path.join(root, run_id, f"s{step:06d}-r{rank:04d}.pt")
+
+
+def captured_files(root: str, run_id: str) -> list[tuple[int, int, str]]:
+    """``(step, rank, path)`` of every capture of ``run_id`` under ``root`` (the names :func:`capture_path` gives)."""
+    folder = os.path.join(root, run_id)
+    out = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.startswith("s") and name.endswith(".pt") and "-r" in name:
+            step, rank = name[1:-3].split("-r")
+            out.append((int(step), int(rank), os.path.join(folder, name)))
+    return out
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

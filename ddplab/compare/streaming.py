@@ -105,8 +105,10 @@ class LiveRun:
 
     def delete_all(self, cache: CaptureCache) -> None:
         """Delete (and forget) every capture written so far, counting it in :attr:`written`."""
+        from ddplab.compare.runners import captured_files
+
         cache.forget(self.run_id)
-        for step, rank, path in self._files():
+        for step, rank, path in captured_files(self.root, self.run_id):
             if not self.deleted:
                 self.written[rank] = max(self.written[rank], step + 1)
                 continue
@@ -115,15 +117,6 @@ class LiveRun:
                 os.remove(path)
             except FileNotFoundError:
                 pass
-
-    def _files(self) -> list[tuple[int, int, str]]:
-        folder = os.path.join(self.root, self.run_id)
-        out = []
-        for name in os.listdir(folder) if os.path.isdir(folder) else ():
-            if name.startswith("s") and name.endswith(".pt") and "-r" in name:
-                step, rank = name[1:-3].split("-r")
-                out.append((int(step), int(rank), os.path.join(folder, name)))
-        return out
 
     def judged(self, step: int, cache: CaptureCache, delete: bool = True) -> None:
         """The parent judged ``step``: say so to the ranks; delete (and forget) every step before it."""
@@ -191,20 +184,13 @@ class Pass:
         self._launches: dict[str, object] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._closed = False
         self._round_started = time.perf_counter()
         self._waited = 0.0      # the runs' ``waited`` at the start of the round
 
     def start(self, key: str, launch, run_ids: list[str], after=None) -> None:
         """Run ``launch`` (a :class:`ddplab.launcher.Launch`) in a thread: the runs ``run_ids`` end when it
-        ends; ``after(outcome)`` is then called in that thread. A pass already closed starts nothing."""
+        ends; ``after(outcome)`` is then called in that thread."""
         with self._lock:
-            if self._closed:
-                self.outcomes[key] = None
-                self.stopped_here.add(key)
-                for run_id in run_ids:
-                    self.runs[run_id].ended.set()
-                return
             self._launches[key] = launch
 
         def go():
@@ -250,9 +236,7 @@ class Pass:
 
     def close(self) -> None:
         """Stop every launch still running, wait for them all, and delete the pass's captures."""
-        with self._lock:
-            self._closed = True
-        self.stop(list(self._launches))
+        self.stop(self.launches())
         for thread in self._threads:
             thread.join()
         self._delete_all()

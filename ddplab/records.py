@@ -30,6 +30,7 @@ __all__ = [
     "RECORD_COLUMNS",
     "record",
     "emit",
+    "send",
     "collect",
     "drain",
     "set_sink",
@@ -104,11 +105,16 @@ def emit(metric: str, value: Any, *, step: int | None = None, bucket: int | None
     merged = {**_labels, **labels}
     rec = record(metric, value, step=step, rank=_current_rank() if rank is None else rank,
                  bucket=bucket, **merged)
+    send(rec)
+    return rec
+
+
+def send(rec: dict) -> None:
+    """Send a record already built (:func:`record`) to the sink, as it is."""
     if _sink is None:
         _buffer.append(rec)
     else:
         _sink(rec)
-    return rec
 
 
 def set_sink(sink: Sink | None) -> Sink | None:

@@ -75,3 +75,28 @@ def test_a_small_models_reference_runs_train_once_and_a_large_ones_beside_each_c
     streamed, each = _reference_launches(monkeypatch, 0)
     assert once == 1 and each == 2
     assert kept == streamed == {"ddp W=2": "exact", "again": "exact"}
+
+
+def test_the_float64_promise_is_judged_where_it_trains_and_never_written(tmp_path):
+    from ddplab import records
+    from ddplab.compare.runners import captured_files, reference_runs, train_references
+
+    setup = examples.digits_setup(0, steps=2, reduction="sum")   # a summed loss: the promise is the truth / W
+    runs = reference_runs([compare.DDP(2)])
+    promise = next(spec for spec in runs if spec.promise)
+    with records.collect() as got:
+        train_references(setup, runs, 2, str(tmp_path))
+    assert captured_files(str(tmp_path), promise.run_id) == []
+    assert len(captured_files(str(tmp_path), "truth")) == 2
+    distances = [r for r in got if r["metric"] == "semantic_distance"]
+    assert {r["step"] for r in distances} == {0, 1} and {r["config"] for r in distances} == {promise.label}
+    [difference] = [r for r in got if r["metric"] == "semantic_difference"]
+    assert (difference["step"], difference["kind"], difference["factor_name"]) == (0, "factor", "1/W")
+
+
+def test_a_semantic_bug_is_found_when_the_references_train_beside_each_configuration(no_leftovers, monkeypatch):
+    monkeypatch.setattr(comparison, "KEEP_REFERENCES_BYTES", 0)
+    result = compare.run(examples.digits_setup(0, steps=2, reduction="sum"), compare.DDP(2), progress=False)
+    v = result.verdict("ddp W=2")
+    assert (v.kind, v.referee, v.difference) == ("bug", "semantic", "factor")
+    assert v.finding_values("semantic")["factor"] == pytest.approx(0.5, rel=1e-6)

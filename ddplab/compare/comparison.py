@@ -330,7 +330,8 @@ def _float64_records(setup: Setup, config: Configuration, run, caps: dict) -> St
     low = _float64_precision(config, [run[0]])
     tolerance = _float64.precision_tolerance(low, config.world_size)
     judged_at = str(low).replace("torch.", "") if low is not None else "float64"
-    yield from _float64.distance_records("float64", setup, config, run, caps, tolerance, judged_at=judged_at)
+    yield from _float64.distance_records("float64", setup, (config.world_size, config.k, config.pieces), run, caps,
+                                         tolerance, config=config.label, judged_at=judged_at)
 
 
 def _detected_precision(config: Configuration, ranks: list[list[dict]], dtype: torch.dtype) -> tuple | None:
@@ -447,6 +448,7 @@ class _Session:
         self._judged: dict[str, int] = {}                  # reference run -> steps whose distances are in
         self._streamed: set[tuple] = set()                 # the reference runs' records streamed so far
         self._whole: set[str] = set()                      # reference runs kept whole on disk
+        self._semantic: dict[str, dict] = {}               # promise label -> its records, judged where it trains
         self.reference_bytes: dict[str, int] = {}          # a step of each reference run, by label
         # What the evidence sources read at one step (:func:`in_step`): every rank's capture of it and of
         # the step before (the replay's start), the twin's ranks, the float64 run, the reference runs of
@@ -494,10 +496,14 @@ class _Session:
         pass wrote whole (:attr:`keep_references`) are read again; the others train in one process
         (launch ``key``), each record streamed once."""
         folder = os.path.join(self.root, "references") if self.keep_references else None
-        for spec in runs:
+        for spec in _written(runs):
             streamed.add(spec.run_id, 1, reads_next="truth" if spec.label == "truth" else None, kept_in=folder,
                          written=spec.run_id in self._whole)
         train = [spec for spec in runs if spec.run_id not in self._whole]
+        if folder and any(spec.label == "truth" for spec in train):
+            # A promise is judged beside the truth as they train: kept whole, the truth trains once,
+            # so every configuration's promise trains with it now.
+            train += [spec for spec in self.runs if spec.promise and spec not in train]
         if not train:
             return
         for spec in train if folder else ():   # what a stopped pass left of them is written anew
@@ -505,6 +511,10 @@ class _Session:
             os.makedirs(os.path.join(folder, spec.run_id))
 
         def on_record(rec: dict) -> None:
+            if rec.get("metric", "").startswith("semantic_"):   # judged in the reference process
+                key = (rec["metric"], rec.get("step"), rec.get("quantity"), rec.get("param"))
+                self._semantic.setdefault(rec["config"], {})[key] = rec
+                return
             key = (rec.get("config"), rec.get("metric"), rec.get("step"), rec.get("rank"))
             if key not in self._streamed:
                 self._streamed.add(key)
@@ -521,7 +531,7 @@ class _Session:
                                   args=(self.setup, train, streamed.steps, folder or streamed.root,
                                         self.facts["digest"], None if folder else LAG),
                                   timeout=self.timeout, on_record=on_record, threads_per_rank=1)
-        streamed.start(key, launch, [spec.run_id for spec in train], after)
+        streamed.start(key, launch, [spec.run_id for spec in _written(train)], after)
 
     @property
     def keep_references(self) -> bool:
@@ -574,14 +584,16 @@ class _Session:
                 if extra:
                     self._start_references(streamed, extra, "references-precision")
                     runs += extra
-            caps = {spec.run_id: streamed.captures(spec.run_id) for spec in runs}
+            caps = {spec.run_id: streamed.captures(spec.run_id) for spec in _written(runs)}
             records, facts, own = self._judge(config, streamed, run_id, caps, band, runs, variant_ids)
         except BaseException:
             streamed.close()
             raise
         references = ["references", "references-precision"]
-        # The run and its variants train on to their end; so do reference runs kept whole for later passes.
-        streamed.finish(stop=[] if self.keep_references else references)
+        # The run and its variants train on to their end; so do reference runs kept whole for later passes,
+        # and those at their last step already (the promise's last records are on their way).
+        judged_all = streamed.cut is None and min(streamed.runs[run_id].written) >= self.steps
+        streamed.finish(stop=[] if self.keep_references or judged_all else references)
         self._keep_status(config, streamed.outcomes.get(run_id), run_id in streamed.stopped_here)
         for key in references:
             failed = streamed.outcomes.get(key)
@@ -593,6 +605,8 @@ class _Session:
             records += self._own_records(config, streamed, variant_ids, own)
         facts.update(rank_steps=",".join(f"{r}:{streamed.runs[run_id].finished(r)}" for r in range(config.world_size)))
         facts["done"] = min(streamed.runs[run_id].finished(r) for r in range(config.world_size))
+        judged = facts["done"] if streamed.cut is None else min(facts["done"], streamed.cut)
+        records += self._semantic_records(config, judged)
         return records, facts, streamed.cut
 
     def _judge(self, config: Configuration, streamed: Pass, run_id: str, caps: dict, band: RunSpec,
@@ -601,31 +615,37 @@ class _Session:
         ranks = streamed.ranks(run_id)
         batches = global_batches(self.setup, self.steps)
         dtype = self.facts["dtype"]
-        promise = caps.get(_promise_id(self.runs, config))
-        # A model whose modules issue collectives (SyncBatchNorm) promises something else
-        # than every rank's share on its own: the float64 promise does not describe it.
-        # Nor does it where the loss reads the process group: the promise ran in a one-rank launch.
         reads = self.reads_process_group(config.world_size)
-        semantic = (_replay.semantic_records(self.setup, config, promise, caps)
-                    if promise is not None and _replay.unavailable(self.setup, config) is None and not reads
-                    else iter(()))
         # From the first NaN or Inf on nothing is judged: the verdict rests on the steps before it.
         finite = _finite.nonfinite_steps(streamed.ranks(run_id, past_cut=True),
                                          streamed.captures("reference", past_cut=True), streamed.cut_at)
         seen: list[dict] = []
         own = {variant: self._own_source(config, streamed, variant, variant_id, caps)
                for variant, variant_id in variant_ids.items()}
-        found, recs, references, reductions, collectives, mesh, replayed, promised, located, *mine = in_step(
+        found, recs, references, reductions, collectives, mesh, replayed, located, *mine = in_step(
             finite, _config_steps(config, ranks, caps, band, dtype, seen),
             _reference_records(caps, runs, dtype, self._judged), _reduction_steps(config, ranks),
             _recorded.collective_records(config, ranks, dtype), _mesh_evidence.mesh_records(config, ranks, dtype),
-            _replay.replay_records(self.setup, config, ranks, batches), semantic,
+            _replay.replay_records(self.setup, config, ranks, batches),
             _localization.localize_steps(self.setup, config, caps, ranks, seen), *own.values(),
             judged=streamed.judged)
         records = [dict(r, config=config.label) for r in found] + recs + references
         records += _data.sample_records(self.setup, config, batches)
-        records += reductions + collectives + mesh + replayed + promised + located
+        records += reductions + collectives + mesh + replayed + located
         return records, dict(reads_process_group=reads or None), dict(zip(own, mine))
+
+    def _semantic_records(self, config: Configuration, steps: int) -> list[dict]:
+        """The semantic question's records of ``config``'s steps before ``steps``: its float64 promise
+        against the truth, judged in the reference process (:class:`~ddplab.compare.float64_run.PromiseJudge`).
+        Nothing where the promise does not describe it: a model whose modules issue collectives
+        (SyncBatchNorm) promises something else than every rank's share on its own, and so does a loss
+        that reads the process group (the promise ran in a one-rank launch)."""
+        spec = next((s for s in self.runs if s.run_id == _promise_id(self.runs, config)), None)
+        if spec is None or _replay.unavailable(self.setup, config) is not None \
+                or self.reads_process_group(config.world_size):
+            return []
+        return [dict(rec, config=config.label) for rec in self._semantic.get(spec.label, {}).values()
+                if rec["step"] < steps]
 
     def _own_source(self, config: Configuration, streamed: Pass, variant: str, run_id: str, caps: dict) -> StepRecords:
         if variant == "twin":
@@ -718,6 +738,11 @@ class _Session:
                 own = bool(own_evidence(self.setup, config, self.reads_process_group))
                 shapes.append((config.world_size, own, own))
         return _footprint.footprint(sizes, self.steps, shapes, alongside=self.alongside)
+
+
+def _written(runs: list[RunSpec]) -> list[RunSpec]:
+    """The reference runs among ``runs`` that write captures: all but a float64 promise (judged where it trains)."""
+    return [spec for spec in runs if not spec.promise]
 
 
 def _reference_failure(error: BaseException) -> Exception:

@@ -6,7 +6,9 @@ the float64 single-process truth of more than :data:`SEMANTIC_TOLERANCE`
 
 * ``semantic`` -- ddplab's emulation of the data-parallel promise (each
   rank's share, k micro-batches each divided by k, the mean over ranks), run
-  in one process (:func:`ddplab.compare.replay.semantic_records`);
+  in one process beside the truth and judged there as both train
+  (:class:`PromiseJudge`): the parent receives records, not the promise's
+  tensors;
 * ``float64`` -- the configuration itself, the user's own step, wrap and
   hooks on W real ranks, with model and batches in float64
   (:data:`ddplab.compare.runners.VARIANTS`). It needs no specification of
@@ -32,12 +34,11 @@ import math
 import torch
 
 from ddplab.compare.captures import StepRecords, common_steps
-from ddplab.compare.configurations import Configuration
 from ddplab.compare.setup import Setup
 from ddplab.numerics import unit_roundoff
 from ddplab.records import record
 
-__all__ = ["SEMANTIC_TOLERANCE", "distance_records", "precision_tolerance", "lowest_precision"]
+__all__ = ["SEMANTIC_TOLERANCE", "distance_records", "precision_tolerance", "lowest_precision", "PromiseJudge"]
 
 #: Relative distance of a float64 run from the float64 truth beyond which it is not one process's
 #: computation: ~1e7 × float64's unit roundoff (1.1e-16), where float64 rounding stayed below 1e-13
@@ -79,12 +80,12 @@ def _distance(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return 0.0 if diff == 0 else (diff / scale if scale > 0 else math.inf)
 
 
-def distance_records(name: str, setup: Setup, config: Configuration, run: list[dict], caps: dict,
+def distance_records(name: str, setup: Setup, shape: tuple[int, int, int], run: list[dict], caps: dict,
                      tolerance: float, **labels) -> StepRecords:
     """``{name}_distance`` of the float64 captures ``run`` from the truth (``caps["truth"]``), per step,
-    quantity and parameter; and ``{name}_difference`` at the first step beyond ``tolerance``."""
+    quantity and parameter; and ``{name}_difference`` at the first step beyond ``tolerance``, fitted on
+    the pieces of ``shape`` = (W, k, pieces) (:func:`ddplab.compare.localization.semantic_fit`)."""
     truth = caps["truth"]
-    labels = dict(config=config.label, **labels)
     first = None
     for step in common_steps(truth, run):
         out = []
@@ -109,19 +110,58 @@ def distance_records(name: str, setup: Setup, config: Configuration, run: list[d
                 first = (step, quantity, worst)
         if first is not None and first[0] == step:
             # Named at its step, while the captures it is fitted on exist (they are deleted once judged).
-            out.append(_difference(name, setup, config, run, caps, *first, labels))
+            out.append(_difference(name, setup, shape, run, caps, *first, labels))
         yield out
 
 
-def _difference(name: str, setup: Setup, config: Configuration, run, caps: dict, step: int, quantity: str,
-                worst: float, labels: dict) -> dict:
+def _difference(name: str, setup: Setup, shape: tuple[int, int, int], run, caps: dict, step: int,
+                quantity: str, worst: float, labels: dict) -> dict:
     """``{name}_difference`` at ``step``: how far, and what the piece fit names it."""
     from ddplab.compare.localization import semantic_fit
 
     fit = dict(kind="other", factor=math.nan, factor_name="", missing=[], residual=math.nan)
     grads = run[step]["grads"]
     if all(bool(torch.isfinite(g).all()) for g in grads.values()):  # no solver on non-finite input
-        fit = semantic_fit(setup, config, step, {n: g.double() for n, g in grads.items()}, caps)
+        fit = semantic_fit(setup, shape, step, {n: g.double() for n, g in grads.items()}, caps)
     return record(f"{name}_difference", worst, step=step, quantity=quantity, kind=fit["kind"],
                   factor=fit["factor"], factor_name=fit["factor_name"] or "",
                   missing=",".join(map(str, fit["missing"])), residual=fit["residual"], **labels)
+
+
+class _Recent:
+    """The last two steps of a run that trains in this process, as the sequence the sources walk
+    (:func:`ddplab.compare.captures.common_steps`): the fit at a step reads the truth's step before."""
+
+    def __init__(self, steps: int):
+        self.steps, self._items = steps, {}
+
+    def put(self, step: int, capture: dict) -> None:
+        self._items[step] = capture
+        self._items.pop(step - 2, None)
+
+    def has(self, step: int) -> bool:
+        return step in self._items
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> dict:
+        return self._items[step]
+
+
+class PromiseJudge:
+    """The semantic question, asked where the float64 promise and the float64 truth both train (the
+    reference process): after each step, ``judge(step, truth, promise)`` (the two runs' captures of it)
+    returns ``semantic_distance`` of the promise from the truth per quantity and parameter, and
+    ``semantic_difference`` at the first step beyond :data:`SEMANTIC_TOLERANCE`, labelled with the
+    promise's run label; the parent gives them to each configuration that promises it."""
+
+    def __init__(self, setup: Setup, label: str, world_size: int, k: int, steps: int):
+        self.truth, self.promise = _Recent(steps), _Recent(steps)
+        self._records = distance_records("semantic", setup, (world_size, k, world_size * k), self.promise,
+                                         {"truth": self.truth}, SEMANTIC_TOLERANCE, config=label)
+
+    def __call__(self, step: int, truth: dict, promise: dict) -> list[dict]:
+        self.truth.put(step, truth)
+        self.promise.put(step, promise)
+        return next(self._records)

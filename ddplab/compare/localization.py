@@ -283,15 +283,17 @@ def _localize_at(setup: Setup, config: Configuration, caps: dict, ranks, recs: l
     return out
 
 
-def semantic_fit(setup: Setup, config: Configuration, step: int, g_promise: dict, caps: dict) -> dict:
+def semantic_fit(setup: Setup, shape: tuple[int, int, int], step: int, g_promise: dict, caps: dict) -> dict:
     """The kind of a semantic difference at ``step``: the float64 promise's gradient fitted on the
-    pieces' gradients like the configuration's (``{"kind", "factor", "factor_name", "missing",
-    "residual"}``; kind "other" when it is no factor and no missing contribution)."""
+    gradients of the pieces of ``shape`` = (W, k, pieces), like the configuration's (``{"kind",
+    "factor", "factor_name", "missing", "residual"}``; kind "other" when it is no factor and no
+    missing contribution)."""
+    world, k, pieces = shape
     truth = caps["truth"]
     names = list(truth[step]["grads"])
     like = truth[step]["grads"]
     before = truth[step - 1]["params"] if step > 0 else None
-    _, basis = piece_gradients(setup, step, config.pieces, before, (config.world_size, config.k))
+    _, basis = piece_gradients(setup, step, pieces, before, (world, k))
     a_truth, _ = fit_weights(basis, _flat(like, names, like))
     a_promise, resid = fit_weights(basis, _flat(g_promise, names, like))
     weights = classify_weights(a_promise / a_truth, FIT_TOLERANCE) if resid <= FIT_TOLERANCE else \
@@ -299,5 +301,4 @@ def semantic_fit(setup: Setup, config: Configuration, step: int, g_promise: dict
     kind = weights["kind"] if weights["kind"] in ("factor", "missing_contribution") else "other"
     factor = weights["factor"]
     return dict(kind=kind, factor=factor, residual=resid, missing=weights["missing"],
-                factor_name=name_factor(factor, config.world_size, config.k, FIT_TOLERANCE)
-                if factor == factor else None)
+                factor_name=name_factor(factor, world, k, FIT_TOLERANCE) if factor == factor else None)

@@ -69,7 +69,7 @@ from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_tra
 from ddplab.records import record
 
 __all__ = ["PHASES", "register_reduction", "reduction_emulation", "unavailable", "replay_records",
-           "compare_bits", "first_difference", "semantic_records"]
+           "compare_bits", "first_difference"]
 
 #: Where a difference from the replay happens, in the order a step runs.
 PHASES = ("local_gradient", "reduction", "update")
@@ -479,17 +479,3 @@ def first_difference(frame, config: str) -> dict | None:
                   max_ulp=number("max_ulp"), max_relative=number("max_relative"),
                   module=module or "", found_by=found_by or "")
     return values
-
-
-# --------------------------------------------------------------------------- the semantic question
-
-
-def semantic_records(setup: Setup, config: Configuration, promise: list[dict], caps: dict) -> StepRecords:
-    """Does the data-parallel promise (the float64 run ``promise``: W ranks' shares, k micro-batches,
-    the mean over ranks) equal one process (the float64 truth)? Per step, quantity and parameter:
-    ``semantic_distance`` = ‖promise − truth‖ / ‖truth‖; at the first step beyond
-    :data:`~ddplab.compare.float64_run.SEMANTIC_TOLERANCE`, ``semantic_difference`` with the kind
-    the piece fit names."""
-    from ddplab.compare.float64_run import SEMANTIC_TOLERANCE, distance_records
-
-    return distance_records("semantic", setup, config, promise, caps, SEMANTIC_TOLERANCE)

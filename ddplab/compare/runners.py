@@ -198,9 +198,11 @@ class Capture:
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
                  label: str, rank: int, buckets: BucketCapture | None = None,
                  module: torch.nn.Module | None = None, any_optimizer: bool = False,
-                 recorder: Any = None, keep: Callable[[], dict] | None = None, lag: int | None = None):
+                 recorder: Any = None, keep: Callable[[], dict] | None = None, lag: int | None = None,
+                 write: bool = True):
         self.named = named
         self.lag = lag   # not None: after writing a step, wait for the parent (ddplab.compare.streaming)
+        self.write = write   # False: the step is judged in this process (finish() returns it), never written
         self.optimizer = optimizer
         self.root, self.run_id, self.label, self.rank = root, run_id, label, rank
         self.grads: dict[str, torch.Tensor] | None = None
@@ -216,7 +218,8 @@ class Capture:
         self.handles: list = []
         self._stepping: torch.optim.Optimizer | None = None  # the optimizer whose step() is running
         self.keep = keep
-        os.makedirs(os.path.join(root, run_id), exist_ok=True)
+        if write:
+            os.makedirs(os.path.join(root, run_id), exist_ok=True)
         # Never traced: a compiled optimizer step runs them eagerly, as a graph break.
         before, after = torch._dynamo.disable(self._before), torch._dynamo.disable(self._after)
         optimizer.register_step_pre_hook(before)
@@ -265,7 +268,8 @@ class Capture:
             # A sharded optimizer's own shard: its state_dict() would be a collective.
             self.optim = sharded_optimizers.capture_state(optimizer, self.named) or optimizer_state(optimizer)
 
-    def finish(self, step: int, loss: float | None) -> None:
+    def finish(self, step: int, loss: float | None) -> dict:
+        """Write the step's capture (unless ``write`` is False), emit its records, and return the capture."""
         if self.calls == 0 and self.any_optimizer:
             raise RuntimeError(f"{self.label}: no optimizer stepped the model's parameters in step {step}: call "
                                "ctx.optimizer.step() (the setup's optimizer) or step an optimizer of your own "
@@ -286,9 +290,10 @@ class Capture:
             data["collectives"] = [collective_state(r) for r in self.recorder.take()]
         if self.keep is not None:
             data.update(self.keep())
-        from ddplab.compare.captures import save_capture
+        if self.write:
+            from ddplab.compare.captures import save_capture
 
-        save_capture(data, capture_path(self.root, self.run_id, step, self.rank))
+            save_capture(data, capture_path(self.root, self.run_id, step, self.rank))
         labels = dict(config=self.label)
         if loss is not None:
             _records.emit("loss", loss, step=step, rank=self.rank, **labels)
@@ -297,9 +302,10 @@ class Capture:
         self.grads = self.params = self.optim = None
         self.before = {}
         self.calls = 0
-        if self.lag is not None:
+        if self.lag is not None and self.write:
             from ddplab.compare.streaming import wait_for_parent
             wait_for_parent(self.root, self.run_id, step, self.lag)
+        return data
 
 
 def _views_of_buckets(grads: dict | None, buckets: list[dict]) -> dict | None:
@@ -366,6 +372,11 @@ class RunSpec:
     world_size: int = 1                       # > 1: the data-parallel promise, executed in one process
     k: int = 1                                # micro-batches per rank of that promise
     shares: int = 1                           # the W whose uneven per-rank shares the loss averages over
+
+    @property
+    def promise(self) -> bool:
+        """Is this the float64 data-parallel promise? It is judged where it trains, never written."""
+        return self.world_size > 1 or self.k > 1
 
 
 def _dtype_name(dtype) -> str:
@@ -440,12 +451,13 @@ def _reference_loss(model, named: list, setup: Setup, spec: RunSpec, batch: tupl
     return setup.loss(out, inputs[-1])
 
 
-def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, lag: int | None) -> Iterator[int]:
-    """Train ``spec`` a step at a time: each ``next()`` trains and captures one step."""
+def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, lag: int | None) -> Iterator[dict]:
+    """Train ``spec`` a step at a time: each ``next()`` trains and captures one step, and returns its capture."""
     model = setup.build_model(spec.dtype)
     named = named_trainable(model)
     optimizer = setup.optimizer(model.parameters())
-    capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0, lag=lag)
+    capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0, lag=lag,
+                      write=not spec.promise)
     if spec.reduce_dtype is not None:
         master = named[0][1].dtype
         for _, p in named:  # the gradient as a reduction in reduce_dtype would leave it
@@ -453,7 +465,7 @@ def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, lag:
     for step, batch in enumerate(batches):
         batch = cast_batch(batch, spec.dtype)
         optimizer.zero_grad(set_to_none=True)
-        if spec.world_size > 1 or spec.k > 1:
+        if spec.promise:
             loss = _promise_backward(model, setup, batch, step, spec.world_size, spec.k, spec.dtype)
         else:
             # Uneven per-rank shares weigh as DDP weighs them: the mean of the shares' mean losses.
@@ -464,8 +476,7 @@ def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, lag:
             loss.backward()
         apply_before_step(setup, model)
         optimizer.step()
-        capture.finish(step, _loss_value(loss))
-        yield step
+        yield capture.finish(step, _loss_value(loss))
 
 
 #: Why a model that another process builds otherwise cannot be compared.
@@ -476,13 +487,22 @@ DIFFERENT_MODEL = ("setup.model() builds different initial weights in another pr
 
 def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, lag: int | None = None) -> None:
     """Every reference run in this process, a step of each in turn: each writes its captures under
-    ``root`` (``lag``: and waits for the parent after each, :mod:`ddplab.compare.streaming`)."""
+    ``root`` (``lag``: and waits for the parent after each, :mod:`ddplab.compare.streaming`), except
+    a float64 promise: it is judged against the truth here, after each step
+    (:class:`ddplab.compare.float64_run.PromiseJudge`), and only its records leave the process."""
+    from ddplab.compare.float64_run import PromiseJudge
+
     batches = global_batches(setup, steps)
+    truth = next((spec for spec in runs if spec.label == "truth"), None)
+    judges = {spec.run_id: PromiseJudge(setup, spec.label, spec.world_size, spec.k, len(batches))
+              for spec in runs if spec.promise and truth is not None}
     with eager():  # one process's rounding, which compiling would not change in size
-        trainers = [_reference_steps(setup, spec, batches, root, lag) for spec in runs]
-        for _ in batches:
-            for trainer in trainers:
-                next(trainer)
+        trainers = {spec.run_id: _reference_steps(setup, spec, batches, root, lag) for spec in runs}
+        for step in range(len(batches)):
+            captured = {run_id: next(trainer) for run_id, trainer in trainers.items()}
+            for run_id, judge in judges.items():
+                for rec in judge(step, captured[truth.run_id], captured[run_id]):
+                    _records.send(rec)
 
 
 def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str,

@@ -34,6 +34,7 @@ import math
 import torch
 
 from ddplab.compare.captures import StepRecords, common_steps
+from ddplab.compare.referee import squared_difference
 from ddplab.compare.setup import Setup
 from ddplab.numerics import unit_roundoff
 from ddplab.records import record
@@ -72,10 +73,16 @@ def lowest_precision(dtype_names) -> torch.dtype | None:
 NEGLIGIBLE = 1e-5
 
 
-def _distance(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
-    scale = max(float(torch.linalg.vector_norm(a)), floor)
-    diff = float(torch.linalg.vector_norm(a - b))
-    if diff != diff or scale != scale:
+def _squared_norm(x: torch.Tensor) -> float:
+    x = x.reshape(-1)
+    x = x if x.dtype == torch.float64 else x.to(torch.float64)
+    return float(torch.dot(x, x))
+
+
+def _distance(squared_diff: float, squared_scale: float, floor: float = 0.0) -> float:
+    """‖a − b‖ / max(‖a‖, floor) from the squared norms; inf where either is not finite."""
+    scale, diff = max(math.sqrt(squared_scale), floor), math.sqrt(squared_diff)
+    if not (math.isfinite(diff) and math.isfinite(scale)):
         return math.inf
     return 0.0 if diff == 0 else (diff / scale if scale > 0 else math.inf)
 
@@ -93,16 +100,15 @@ def distance_records(name: str, setup: Setup, shape: tuple[int, int, int], run: 
             t, p = truth[step][quantity + "s"], run[step][quantity + "s"]
             names = [n for n in t if n in p]
             worst = 0.0
-            whole = float(torch.linalg.vector_norm(torch.cat([t[n].reshape(-1).double() for n in names])))
+            # Per parameter, and the whole model from their squared norms (never a float64 copy of it).
+            scales = {n: _squared_norm(t[n]) for n in names}
+            diffs = {n: squared_difference(p[n], t[n]) for n in names}
+            scales["(model)"], diffs["(model)"] = sum(scales.values()), sum(diffs.values())
+            whole = math.sqrt(scales["(model)"])
             for param in names + ["(model)"]:
-                if param == "(model)":
-                    a = torch.cat([t[n].reshape(-1).double() for n in names])
-                    b = torch.cat([p[n].reshape(-1).double() for n in names])
-                else:
-                    a, b = t[param].reshape(-1).double(), p[param].reshape(-1).double()
                 # A run judged at a lower precision leaves a zero-gradient parameter that precision's
                 # noise, not float64's: its floor grows with the tolerance.
-                d = _distance(a, b, max(NEGLIGIBLE, tolerance) * whole)
+                d = _distance(diffs[param], scales[param], max(NEGLIGIBLE, tolerance) * whole)
                 out.append(record(f"{name}_distance", d, step=step, quantity=quantity, param=param,
                                   tolerance=tolerance, **labels))
                 worst = max(worst, d)

@@ -273,15 +273,20 @@ def _bound_check(r: _Reduction, e: _Errors) -> _BoundCheck:
     bounds = r.bounds(e.total)
     overflowed = _overflowed(r, e, bounds)
     judged = ~overflowed
-    # Inputs with an inf or NaN have an IEEE answer, not a rounding error: zero tolerance there.
-    rigorous = torch.where(e.special, torch.zeros_like(bounds.rigorous), bounds.rigorous)
-    probabilistic = torch.where(e.special, torch.zeros_like(bounds.probabilistic), bounds.probabilistic)
-    label, ratio = classify(e.error[judged], rigorous[judged])
-    bound_finite = bool(torch.isfinite(rigorous[judged]).all())
-    _, prob_ratio = classify(e.error[judged], probabilistic[judged])
-    if (not bound_finite and label != NOT_ROUNDING) or not bool(judged.any()):
+    rigorous, probabilistic = bounds.rigorous, bounds.probabilistic
+    if bool(e.special.any()):
+        # Inputs with an inf or NaN have an IEEE answer, not a rounding error: zero tolerance there.
+        rigorous = torch.where(e.special, torch.zeros_like(rigorous), rigorous)
+        probabilistic = torch.where(e.special, torch.zeros_like(probabilistic), probabilistic)
+    error = e.error
+    if bool(overflowed.any()):   # judged only (most results overflow nowhere: no masked copies then)
+        error, rigorous, probabilistic = error[judged], rigorous[judged], probabilistic[judged]
+    label, ratio = classify(error, rigorous)
+    bound_finite = bool(torch.isfinite(rigorous).all())
+    _, prob_ratio = classify(error, probabilistic)
+    if (not bound_finite and label != NOT_ROUNDING) or error.numel() == 0:
         ratio = math.nan      # no finite bound, or nothing but overflows to judge
-    if not bool(judged.any()):
+    if error.numel() == 0:
         prob_ratio = math.nan
     return _BoundCheck(label=label, overflowed=overflowed, numbers=dict(
         max_bound_ratio=ratio,

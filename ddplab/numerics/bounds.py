@@ -351,10 +351,11 @@ def classify(error, bound) -> Classification:
     ratio = torch.where(~zero & ~torch.isfinite(bound), torch.full_like(ratio, math.nan), ratio)
     ratio = torch.where(torch.isnan(error), torch.full_like(ratio, math.inf), ratio)
     undefined = torch.isnan(ratio)
-    defined = ratio[~undefined]
+    some_undefined = bool(undefined.any())
+    defined = ratio[~undefined] if some_undefined else ratio
     worst = float(defined.max()) if defined.numel() else 0.0
     if worst > 1.0:
         return Classification(NOT_ROUNDING, worst)
-    if bool(undefined.any()):
+    if some_undefined:
         return Classification(UNDETERMINED, math.nan)
     return Classification(ROUNDING, worst)

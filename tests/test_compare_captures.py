@@ -109,3 +109,25 @@ def test_ddp_gradients_that_are_their_buckets_result_are_written_once(tmp_path):
     back = read_capture(path)
     assert torch.equal(back["grads"]["w"].view(torch.int32), w.view(torch.int32))
     assert torch.equal(back["grads"]["b"].view(torch.int32), b.view(torch.int32))
+
+
+def test_ddp_all_reduce_inputs_that_are_their_bucket_times_one_over_w_cost_no_bytes(tmp_path):
+    from ddplab.compare.captures import Scaled
+    from ddplab.compare.runners import _scaled_inputs
+
+    local = [torch.randn(300_000), torch.randn(300_000)]          # one bucket, reduced twice (two rounds)
+    buckets = [dict(index=0, round=r, local=local[r], result=torch.randn(300_000)) for r in range(2)]
+    first = local[0].mul(1.0 / 3)                                   # W = 3: 1/3 is not exact, bits matter
+    second = local[1].mul(1.0 / 3)
+    second[5] = second[5].nextafter(torch.tensor(9.0))              # one ulp off: written as it is
+    collectives = [dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[first.clone()])),
+                   dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[second.clone()])),
+                   dict(bucket=None, group_ranks=(0, 1, 2), tensors=dict(inputs=[torch.randn(3)]))]
+    _scaled_inputs(collectives, buckets)
+    assert isinstance(collectives[0]["tensors"]["inputs"][0], Scaled)
+    assert not isinstance(collectives[1]["tensors"]["inputs"][0], Scaled)
+    back, size = _round_trip(tmp_path, dict(buckets=buckets, collectives=collectives))
+    assert size < _nbytes(*local, *(b["result"] for b in buckets), second) + 65536   # the first input is free
+    assert _same_bits(back["collectives"][0]["tensors"]["inputs"][0], first)
+    assert _same_bits(back["collectives"][1]["tensors"]["inputs"][0], second)
+    assert Scaled.of(first, local[0], 0.5) is None and Scaled.of(first, local[0].double(), 1.0 / 3) is None

@@ -13,6 +13,7 @@ ranks, not with the number of steps.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 __all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
-           "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits"]
+           "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits", "Scaled"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
@@ -113,16 +114,40 @@ def _twins(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     return same
 
 
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """A tensor of a capture written as another one times a scalar: ``base.mul(factor)`` (DDP's all-reduce
+    input is its bucket times 1/W). Only ``base``'s bytes are written; :func:`read_capture` computes the
+    product again, the same bits :meth:`of` checked when it was made."""
+
+    base: torch.Tensor
+    factor: float
+
+    def value(self) -> torch.Tensor:
+        return self.base.mul(self.factor)
+
+    @classmethod
+    def of(cls, x: torch.Tensor, base: torch.Tensor, factor: float) -> "Scaled | None":
+        """``x`` as ``base`` times ``factor`` when that product holds ``x``'s bits, else None."""
+        if base.dtype != x.dtype or base.shape != x.shape or base.device != x.device or bits_view(x) is None:
+            return None
+        scaled = cls(base, factor)
+        return scaled if same_bits(scaled.value(), x) else None
+
+
 def save_capture(data: dict, path: str) -> None:
     """Write ``data`` (dicts, lists and tuples of tensors and plain values) to ``path`` atomically:
     every small tensor (:data:`PACKED_NUMEL`) a slice of one buffer per dtype, and the bytes of each
     distinct large tensor once (a tensor object met twice, or large tensors of the same dtype, shape
-    and bits: DDP's bucket, its hook's result and the all-reduce's output are often three clones)."""
+    and bits: DDP's bucket, its hook's result and the all-reduce's output are often three clones); a
+    :class:`Scaled` costs no bytes beyond its base's."""
     small: list[torch.Tensor] = []
     large: list[torch.Tensor] = []
     seen: set[int] = set()                  # a tensor object met again is stored once, never compared
 
     def sort(x):
+        if isinstance(x, Scaled):
+            x = x.base
         if isinstance(x, torch.Tensor) and id(x) not in seen:
             seen.add(id(x))
             (small if _packable(x) else large).append(x)
@@ -138,6 +163,8 @@ def save_capture(data: dict, path: str) -> None:
     markers: dict[int, tuple] = {}
 
     def pack(x):
+        if isinstance(x, Scaled):
+            return Scaled(pack(x.base), x.factor)
         if not isinstance(x, torch.Tensor):
             return x
         if not _packable(x):
@@ -167,6 +194,8 @@ def read_capture(path: str, mmap: bool = True) -> dict:
     buffers = stored[_PACKED]
 
     def unpack(x):
+        if isinstance(x, Scaled):
+            return Scaled(unpack(x.base), x.factor).value()
         if not _is_packed(x):
             return x
         _, dtype, start, shape = x

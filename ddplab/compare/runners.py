@@ -39,6 +39,7 @@ single process would see).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -288,6 +289,8 @@ class Capture:
             data["forward_dtypes"] = sorted(self.digests.dtypes)
         if self.recorder is not None:
             data["collectives"] = [collective_state(r) for r in self.recorder.take()]
+            if "buckets" in data:
+                _scaled_inputs(data["collectives"], data["buckets"])
         if self.keep is not None:
             data.update(self.keep())
         if self.write:
@@ -328,6 +331,26 @@ def _views_of_buckets(grads: dict | None, buckets: list[dict]) -> dict | None:
                 out[name] = piece
             offset += grad.numel()
     return out
+
+
+def _scaled_inputs(collectives: list[dict], buckets: list[dict]) -> None:
+    """Each bucket's all-reduce input that is its contribution times 1/W (DDP's own averaging) written as
+    that product (:class:`~ddplab.compare.captures.Scaled`): its bytes are the contribution's, stored once."""
+    from ddplab.compare.captures import Scaled
+
+    local = {(b["index"], b.get("round", 0)): b["local"] for b in buckets}
+    rounds: dict = collections.Counter()     # the n-th collective of a bucket is its n-th reduction's
+    for state in collectives:
+        inputs = (state.get("tensors") or {}).get("inputs")
+        if state.get("bucket") is None:
+            continue
+        base = local.get((state["bucket"], rounds[state["bucket"]]))
+        rounds[state["bucket"]] += 1
+        if base is None or not inputs or len(inputs) != 1 or not state.get("group_ranks"):
+            continue
+        scaled = Scaled.of(inputs[0], base, 1.0 / len(state["group_ranks"]))
+        if scaled is not None:
+            inputs[0] = scaled
 
 
 def collective_state(record) -> dict:

@@ -131,3 +131,34 @@ def test_ddp_all_reduce_inputs_that_are_their_bucket_times_one_over_w_cost_no_by
     assert _same_bits(back["collectives"][0]["tensors"]["inputs"][0], first)
     assert _same_bits(back["collectives"][1]["tensors"]["inputs"][0], second)
     assert Scaled.of(first, local[0], 0.5) is None and Scaled.of(first, local[0].double(), 1.0 / 3) is None
+
+
+def _wide_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4))
+
+
+def test_a_ddp_rank_writes_what_it_shares_with_rank_0_once(tmp_path):
+    """Real DDP ranks: rank 1 writes its parameters and reduced buckets as references to rank 0's capture,
+    its own contribution in full, and the cache reads rank 0's tensors back in their place."""
+    import torch.nn.functional as F
+
+    from ddplab import launch
+    from ddplab.compare import DDP, Setup
+    from ddplab.compare.captures import CaptureCache, SameAs
+    from ddplab.compare.runners import capture_path, configuration_worker
+    from ddplab.compare.setup import model_digest
+
+    g = torch.Generator().manual_seed(0)
+    setup = Setup(model=_wide_model, batches=[(torch.randn(8, 300, generator=g), torch.randn(8, 4, generator=g))],
+                  loss=F.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="wide")
+    root = str(tmp_path)
+    launch(configuration_worker, world_size=2,
+           args=(setup, DDP(2), 1, root, "run", model_digest(setup.build_model()), "run", None))
+    raw = torch.load(capture_path(root, "run", 0, 1), weights_only=False)["data"]
+    assert raw["params"]["0.weight"] == SameAs(("params", "0.weight"))
+    assert all(isinstance(b["result"], SameAs) and not isinstance(b["local"], SameAs) for b in raw["buckets"])
+    cache = CaptureCache(4)
+    zero, one = cache.get(root, "run", 0, 0), cache.get(root, "run", 1, 0)
+    assert one["params"]["0.weight"] is zero["params"]["0.weight"]
+    assert not _same_bits(one["buckets"][0]["local"], zero["buckets"][0]["local"])   # each rank's own share

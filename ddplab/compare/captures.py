@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 __all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
-           "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits", "Scaled"]
+           "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits", "Scaled",
+           "SameAs", "same_as"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
@@ -133,6 +134,50 @@ class Scaled:
             return None
         scaled = cls(base, factor)
         return scaled if same_bits(scaled.value(), x) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SameAs:
+    """A tensor of a rank's capture that holds the same bits as rank 0's at the same place of its capture
+    of the same step (``key``: the keys and indices that lead there): written as this reference, read
+    back as rank 0's tensor (:class:`CaptureCache`). DDP's ranks hold the same parameters and reduced
+    gradients: W-1 copies of them are never written."""
+
+    key: tuple
+
+
+def _at(data, key: tuple):
+    for k in key:
+        data = data[k]
+    return data
+
+
+def same_as(data: dict, other: dict) -> dict:
+    """``data`` with every large tensor that holds the bits of ``other``'s tensor at the same place
+    replaced by :class:`SameAs` (``other``: rank 0's capture of the same step)."""
+
+    def walk(x, key):
+        if isinstance(x, dict):
+            return {k: walk(v, key + (k,)) for k, v in x.items()}
+        if type(x) in (list, tuple):
+            return type(x)(walk(v, key + (i,)) for i, v in enumerate(x))
+        if not isinstance(x, torch.Tensor) or _packable(x) or bits_view(x) is None:
+            return x
+        try:
+            theirs = _at(other, key)
+        except (KeyError, IndexError, TypeError):
+            return x
+        if not isinstance(theirs, torch.Tensor) or bits_view(theirs) is None or theirs.shape != x.shape \
+                or theirs.dtype != x.dtype or _probe(bits_view(theirs)) != _probe(bits_view(x)):
+            return x
+        return SameAs(key) if same_bits(x, theirs) else x
+
+    return walk(data, ())
+
+
+def _resolve(data, other: Callable[[], dict]):
+    """``data`` with every :class:`SameAs` replaced by ``other()``'s tensor at its key."""
+    return _walk(data, lambda x: _at(other(), x.key) if isinstance(x, SameAs) else x)
 
 
 def save_capture(data: dict, path: str) -> None:
@@ -262,6 +307,7 @@ class CaptureCache:
         self.size, self.spare_bytes = size, spare_bytes
         self._items: collections.OrderedDict = collections.OrderedDict()
         self._bytes: dict = {}
+        self._pinned: set = set()   # what :meth:`keep_only` kept: its file is gone, so it is never evicted
         self.reads = 0
 
     def get(self, root: str, run_id: str, rank: int, step: int) -> dict:
@@ -274,24 +320,31 @@ class CaptureCache:
         self.reads += 1
         path = capture_path(root, run_id, step, rank)
         value = read_capture(path, mmap=False)
+        if rank != 0:   # rank 0's tensors where this rank wrote SameAs: one tensor in memory for both
+            value = _resolve(value, lambda: self.get(root, run_id, 0, step))
         self._items[key] = value
         self._bytes[key] = os.path.getsize(path)
         while len(self._items) > self.size and sum(self._bytes.values()) > self.spare_bytes:
-            oldest, _ = self._items.popitem(last=False)
-            del self._bytes[oldest]
+            oldest = next((k for k in self._items if k not in self._pinned), None)
+            if oldest is None:
+                break
+            del self._items[oldest], self._bytes[oldest]
         return value
 
     def keep_only(self, run_id: str, step: int, keys) -> None:
-        """Of ``run_id``'s captures of ``step``, keep only ``keys``: what a later step still reads
-        (the replay starts the next step from this one's parameters and optimizer state)."""
+        """Of ``run_id``'s captures of ``step``, keep only ``keys``: what a later step still reads (the
+        replay starts the next step from this one's parameters and optimizer state). They stay until
+        :meth:`forget`: their files may be deleted now."""
         for key in [k for k in self._items if k[1] == run_id and k[3] == step]:
             self._items[key] = {name: value for name, value in self._items[key].items() if name in keys}
+            self._pinned.add(key)
 
     def forget(self, run_id: str | None = None, before: int | None = None) -> None:
         """Drop every capture (of ``run_id`` only, when given; of its steps before ``before`` only)."""
         for key in [k for k in self._items if (run_id is None or k[1] == run_id)
                     and (before is None or k[3] < before)]:
             del self._items[key], self._bytes[key]
+            self._pinned.discard(key)
 
 
 class Captures(Sequence):

@@ -43,6 +43,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -184,6 +185,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     return dict(state=state, param_groups=copy.deepcopy(sd["param_groups"]))
 
 
+#: The longest a rank waits for rank 0's capture of the same step to write what they share once, in seconds.
+SAME_AS_WAIT = 30.0
+
+
 class Capture:
     """Optimizer step hooks that record the gradients before and the parameters after ``step()``.
 
@@ -296,7 +301,8 @@ class Capture:
         if self.write:
             from ddplab.compare.captures import save_capture
 
-            save_capture(data, capture_path(self.root, self.run_id, step, self.rank))
+            written = self._same_as_rank_zero(data, step) if self.rank > 0 else data
+            save_capture(written, capture_path(self.root, self.run_id, step, self.rank))
         labels = dict(config=self.label)
         if loss is not None:
             _records.emit("loss", loss, step=step, rank=self.rank, **labels)
@@ -309,6 +315,22 @@ class Capture:
             from ddplab.compare.streaming import wait_for_parent
             wait_for_parent(self.root, self.run_id, step, self.lag)
         return data
+
+
+    def _same_as_rank_zero(self, data: dict, step: int) -> dict:
+        """``data`` with what holds rank 0's bits written as a reference to rank 0's capture of this step
+        (:func:`~ddplab.compare.captures.same_as`), once rank 0 wrote it: the ranks finish a step
+        together and write at once, so waiting for rank 0's file costs about the writing it saves. A
+        rank 0 that has not written within :data:`SAME_AS_WAIT` seconds leaves this rank's capture whole."""
+        from ddplab.compare.captures import read_capture, same_as
+
+        path, deadline, delay = capture_path(self.root, self.run_id, step, 0), time.monotonic() + SAME_AS_WAIT, 0.001
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                return data
+            time.sleep(delay)
+            delay = min(0.02, 2 * delay)
+        return same_as(data, read_capture(path))   # memory-mapped: only the tensors compared are read
 
 
 def _views_of_buckets(grads: dict | None, buckets: list[dict]) -> dict | None:

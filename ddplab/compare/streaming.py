@@ -4,9 +4,9 @@ Every run of a *pass* (a configuration's run, the reference runs that train besi
 and its float64 run) writes one capture per step and rank. After writing step ``s`` a rank waits
 (:func:`wait_for_parent`) until the parent has judged step ``s - LAG``; the parent judges a step of
 every run of the pass together (:func:`ddplab.compare.captures.in_step`), then marks it judged and
-deletes what no source reads again (:meth:`Pass.judged`): every step before it -- the replay starts
-step ``s`` from the state step ``s - 1`` left. A run's captures on disk are then at most
-``LAG + 2`` steps, whatever the number of steps. A run *kept* in a folder of its own
+deletes its captures (:meth:`Pass.judged`); what the next step reads of them stays in the parent's
+memory (:data:`NEXT_STEP_READS`: the replay starts step ``s`` from the state step ``s - 1`` left).
+A run's captures on disk are then at most ``LAG + 1`` steps, whatever the number of steps. A run *kept* in a folder of its own
 (:meth:`Pass.add`: a small model's reference runs, read again by later passes) neither waits nor
 is deleted.
 
@@ -119,7 +119,8 @@ class LiveRun:
                 pass
 
     def judged(self, step: int, cache: CaptureCache, delete: bool = True) -> None:
-        """The parent judged ``step``: say so to the ranks; delete (and forget) every step before it."""
+        """The parent judged ``step``: say so to the ranks; delete its captures, keeping in memory what the
+        next step reads of them (:data:`NEXT_STEP_READS`), and forget every step before it."""
         if not self.deleted:
             cache.forget(self.run_id, before=step)   # on disk for a later pass; out of memory now
             return
@@ -130,13 +131,11 @@ class LiveRun:
         if not delete:
             return
         cache.keep_only(self.run_id, step, self.kept)
-        if step < 1:
-            return
         cache.forget(self.run_id, before=step)
         for rank in range(self.world_size):
-            path = self.path(step - 1, rank)
+            path = self.path(step, rank)
             if os.path.exists(path):
-                self.written[rank] = max(self.written[rank], step)
+                self.written[rank] = max(self.written[rank], step + 1)
                 os.remove(path)
 
 

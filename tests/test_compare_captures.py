@@ -128,7 +128,7 @@ def test_ddp_all_reduce_inputs_that_are_their_bucket_times_one_over_w_cost_no_by
     assert not isinstance(collectives[1]["tensors"]["inputs"][0], Scaled)
     back, size = _round_trip(tmp_path, dict(buckets=buckets, collectives=collectives))
     assert size < _nbytes(*local, *(b["result"] for b in buckets), second) + 65536   # the first input is free
-    assert _same_bits(back["collectives"][0]["tensors"]["inputs"][0], first)
+    assert _same_bits(back["collectives"][0]["tensors"]["inputs"][0].value(), first)
     assert _same_bits(back["collectives"][1]["tensors"]["inputs"][0], second)
     assert Scaled.of(first, local[0], 0.5) is None and Scaled.of(first, local[0].double(), 1.0 / 3) is None
 

@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
            "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits", "Scaled",
-           "SameAs", "same_as"]
+           "SameAs", "same_as", "large_tensors"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
@@ -118,8 +118,9 @@ def _twins(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
 @dataclasses.dataclass(frozen=True)
 class Scaled:
     """A tensor of a capture written as another one times a scalar: ``base.mul(factor)`` (DDP's all-reduce
-    input is its bucket times 1/W). Only ``base``'s bytes are written; :func:`read_capture` computes the
-    product again, the same bits :meth:`of` checked when it was made."""
+    input is its bucket times 1/W). Only ``base``'s bytes are written, and it reads back as a Scaled
+    (:func:`read_capture`): :meth:`value` computes the product when it is used, the same bits :meth:`of`
+    checked when it was made."""
 
     base: torch.Tensor
     factor: float
@@ -150,6 +151,13 @@ def _at(data, key: tuple):
     for k in key:
         data = data[k]
     return data
+
+
+def large_tensors(data) -> bool:
+    """Does ``data`` hold a tensor that :func:`save_capture` writes on its own (beyond :data:`PACKED_NUMEL`)?"""
+    found = []
+    _walk(data, lambda x: found.append(True) if isinstance(x, torch.Tensor) and not _packable(x) else None)
+    return bool(found)
 
 
 def same_as(data: dict, other: dict) -> dict:
@@ -240,7 +248,7 @@ def read_capture(path: str, mmap: bool = True) -> dict:
 
     def unpack(x):
         if isinstance(x, Scaled):
-            return Scaled(unpack(x.base), x.factor).value()
+            return Scaled(unpack(x.base), x.factor)
         if not _is_packed(x):
             return x
         _, dtype, start, shape = x
@@ -336,13 +344,18 @@ class CaptureCache:
         replay starts the next step from this one's parameters and optimizer state). They stay until
         :meth:`forget`: their files may be deleted now."""
         for key in [k for k in self._items if k[1] == run_id and k[3] == step]:
-            self._items[key] = {name: value for name, value in self._items[key].items() if name in keys}
+            capture = self._items[key]
+            for name in [name for name in capture if name not in keys]:
+                del capture[name]   # in place: a source that still holds the capture holds only this
             self._pinned.add(key)
 
     def forget(self, run_id: str | None = None, before: int | None = None) -> None:
-        """Drop every capture (of ``run_id`` only, when given; of its steps before ``before`` only)."""
+        """Drop every capture (of ``run_id`` only, when given; of its steps before ``before`` only), emptied
+        in place: no source reads a forgotten capture again, and one that still holds it (a generator
+        paused at its step) then holds nothing of its tensors."""
         for key in [k for k in self._items if (run_id is None or k[1] == run_id)
                     and (before is None or k[3] < before)]:
+            self._items[key].clear()
             del self._items[key], self._bytes[key]
             self._pinned.discard(key)
 

@@ -258,9 +258,7 @@ def _reduction_steps(config: Configuration, ranks: list) -> StepRecords:
     from ddplab.numerics import error_records
     from ddplab.numerics.orders import DDP_AVERAGING
 
-    for step in common_steps(*ranks):
-        if "buckets" not in ranks[0][step]:
-            return
+    def measured(step: int) -> list[dict]:   # a function: nothing of the step outlives it
         out = []
         by_rank = [{b["index"]: b for b in ranks[r][step]["buckets"]} for r in range(config.world_size)]
         for index, bucket in sorted(by_rank[0].items()):
@@ -270,7 +268,12 @@ def _reduction_steps(config: Configuration, ranks: list) -> StepRecords:
             out += error_records(bucket["result"], contributions, "gloo_ring", op="avg",
                                  averaging=DDP_AVERAGING, step=step, rank=0, bucket=index,
                                  config=config.label, params=bucket["params"], collective="allreduce")
-        yield out
+        return out
+
+    for step in common_steps(*ranks):
+        if "buckets" not in ranks[0][step]:
+            return
+        yield measured(step)
 
 
 def _status_record(config: Configuration, status: str, steps_done: int, error: BaseException | None,

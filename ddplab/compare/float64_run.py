@@ -114,6 +114,7 @@ def distance_records(name: str, setup: Setup, shape: tuple[int, int, int], run: 
                 worst = max(worst, d)
             if worst > tolerance and first is None:
                 first = (step, quantity, worst)
+            del t, p   # nothing of the step is held while the generator waits for the next
         if first is not None and first[0] == step:
             # Named at its step, while the captures it is fitted on exist (they are deleted once judged).
             out.append(_difference(name, setup, shape, run, caps, *first, labels))

@@ -70,12 +70,11 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
     declared = declared_reduce_dtype(config, model_dtype)
     labels = dict(config=config.label)
     axis_of = getattr(config, "axis_of", None)  # a mesh's collectives are named by the axis they span
-    for step in common_steps(*ranks):
-        caps = [r[step] for r in ranks]
-        recs = step_collectives(caps)
+
+    def verified(step: int) -> list[dict]:   # a function: the step's records and tensors die with it
+        recs = step_collectives([r[step] for r in ranks])
         if not any(recs):
-            yield []
-            continue
+            return []
         result = verify(recs)
         # Collectives issued before the first step (DDP's broadcast of the weights) belong to step 0.
         out = [dict(row, step=step if row.get("step") is None else row["step"], **labels,
@@ -87,4 +86,7 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
                 continue
             out.append(record("collective_dtype", 1, step=step, op=op, dtype=dtype,
                               declared=declared or "", **labels))
-        yield out
+        return out
+
+    for step in common_steps(*ranks):
+        yield verified(step)

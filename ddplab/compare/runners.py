@@ -322,8 +322,10 @@ class Capture:
         (:func:`~ddplab.compare.captures.same_as`), once rank 0 wrote it: the ranks finish a step
         together and write at once, so waiting for rank 0's file costs about the writing it saves. A
         rank 0 that has not written within :data:`SAME_AS_WAIT` seconds leaves this rank's capture whole."""
-        from ddplab.compare.captures import read_capture, same_as
+        from ddplab.compare.captures import large_tensors, read_capture, same_as
 
+        if not large_tensors(data):
+            return data   # a small model's capture is packed whole: nothing to share, no reason to wait
         path, deadline, delay = capture_path(self.root, self.run_id, step, 0), time.monotonic() + SAME_AS_WAIT, 0.001
         while not os.path.exists(path):
             if time.monotonic() > deadline:
@@ -386,7 +388,12 @@ def collective_record(state: dict):
     """The :class:`ddplab.collectives.CollectiveRecord` or ``HookResult`` :func:`collective_state` wrote."""
     from ddplab.collectives import CollectiveRecord, HookResult
 
+    from ddplab.compare.captures import Scaled
+
     state = dict(state)
+    if state.get("tensors"):   # a Scaled input is computed here, for as long as the record lives
+        state["tensors"] = {key: [t.value() if isinstance(t, Scaled) else t for t in tensors]
+                            for key, tensors in state["tensors"].items()}
     cls = {"CollectiveRecord": CollectiveRecord, "HookResult": HookResult}[state.pop("type")]
     return cls(**state)
 

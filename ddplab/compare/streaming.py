@@ -18,9 +18,11 @@ first step where a value turned non-finite).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from ddplab.compare.captures import CaptureCache, Captures
 
@@ -36,6 +38,21 @@ _POLL = 0.02
 NEXT_STEP_READS = {"configuration": ("params", "optimizer"), "truth": ("params",)}
 #: The judged step that lets a rank run to its end: nothing judges its steps any more.
 _NEVER_WAIT = 2**62
+
+
+def _glibc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)``, or a no-op elsewhere."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0) and None
+
+
+#: Give the memory of a judged step back to the system. glibc serves tensors below its mmap threshold
+#: (which grows to 32 MiB as large blocks are freed) from its heap and keeps what is freed there: without
+#: this a 10M-parameter comparison's parent grew ~7 model sizes more (measured).
+release_freed_memory = _glibc_trim()
 
 
 def judged_path(root: str, run_id: str) -> str:
@@ -272,6 +289,7 @@ class Pass:
         time its ranks may have spent waiting for the parent, not hanging."""
         for run in self.runs.values():
             run.judged(step, self.cache)
+        release_freed_memory()
         now, waited = time.perf_counter(), sum(run.waited for run in self.runs.values())
         judging = max(0.0, (now - self._round_started) - (waited - self._waited))
         with self._lock:

@@ -22,21 +22,22 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench
 def test_the_footprint_counts_two_steps_of_a_pass_and_refuses_with_the_figures():
     sizes = {"reference": 100, "truth": 200, "promise W=2": 200}
     need = footprint.footprint(sizes, 3, [(2, False, False), (2, True, True)], alongside=True)
-    # A pass: the truth and the reference beside the configuration's ranks (2 x 100), and with its
-    # twin and float64 run alongside, 2 x (100 + 200) more. Two of its steps on disk, whatever the steps.
-    assert need.parent_bytes == 100 + 200 + 2 * 100 + 2 * (100 + 200)
+    # A pass: the truth and the reference beside the configuration's rank 0 (100: the other rank writes
+    # only what differs from it), and with its twin and float64 run alongside, their rank 0 (100 + 200).
+    # Two of its steps on disk, whatever the steps.
+    assert need.parent_bytes == 100 + 200 + 100 + (100 + 200)
     assert need.scratch_bytes == 2 * need.parent_bytes
     assert footprint.footprint(sizes, 30, [(2, True, True)], alongside=True) == \
         footprint.footprint(sizes, 3, [(2, True, True)], alongside=True)            # flat in steps
-    assert footprint.footprint(sizes, 1, [(2, False, False)], alongside=True).scratch_bytes == 500
+    assert footprint.footprint(sizes, 1, [(2, False, False)], alongside=True).scratch_bytes == 400
     assert need.ranks_bytes == 2 * (100 + 100 + 200) + 200      # the three launches' captures and the truth's
     apart = footprint.footprint(sizes, 3, [(2, True, True)], alongside=False)
-    assert apart.parent_bytes == max(100 + 200 + 2 * 100, 2 * (100 + 200) + 200)   # the run's pass, then the variants'
+    assert apart.parent_bytes == max(100 + 200 + 100, (100 + 200) + 200)   # the run's pass, then the variants'
     assert apart.ranks_bytes == 2 * 200 + 200
     footprint.check_fits(need, memory=need.memory_bytes, disk=need.scratch_bytes)
-    with pytest.raises(ValueError, match=r"at least 2\.1 KiB of scratch disk, and 1\.0 KiB are free"):
+    with pytest.raises(ValueError, match=r"at least 1\.4 KiB of scratch disk, and 1\.0 KiB are free"):
         footprint.check_fits(need, memory=10**9, disk=1024)
-    with pytest.raises(ValueError, match=r"at least 1\.1 KiB of memory .* and 100 B are available"):
+    with pytest.raises(ValueError, match=r"at least 1000 B of memory .* and 100 B are available"):
         footprint.check_fits(need, memory=100, disk=10**9)
 
 
@@ -83,11 +84,11 @@ with launcher.observe(lambda run, rec: seen.append(rec)):
 @needs_mount
 def test_a_comparison_whose_scratch_cannot_fit_the_disk_is_refused_before_any_configuration(tmp_path):
     # 180K parameters (0.7 MB): a pass of DDP(2) holds two steps of the truth (2.9 MB each), the reference
-    # and the two ranks (1.4 MB each) at least: 14 MB, and 12 MiB are free.
+    # and rank 0 (1.4 MB each) at least: 11.4 MB, and 10 MiB are free.
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     disk = tmp_path / "disk"
-    proc = on_tmpfs(disk, "size=12m", [sys.executable, str(driver), str(disk)], cwd=tmp_path, env=ENV)
+    proc = on_tmpfs(disk, "size=10m", [sys.executable, str(driver), str(disk)], cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["refused"] and "of scratch disk" in seen["refused"], seen

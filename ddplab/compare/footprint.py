@@ -4,18 +4,20 @@ when the machine lacks it.
 Every run writes one capture per step and rank (:mod:`ddplab.compare.captures`), and the parent
 judges them as they come (:mod:`ddplab.compare.streaming`). The comparison's first launch trains
 the first step of every reference run: the sizes of those captures are measured, not guessed. A
-configuration's rank captures, each step, at least what the reference run in the model's dtype
-captures -- full copies of its parameters, gradients and optimizer state -- and its float64 run at
-least what the float64 truth captures. The figures count only that: what the comparison really
-uses is larger (recorded reductions, DDP's buckets, the analysis's float64 copies, the models
-themselves; ``bench/bench_compare_scale.py`` prints both).
+configuration's rank 0 captures, each step, at least what the reference run in the model's dtype
+captures -- full copies of its parameters, gradients and optimizer state -- and its float64 run's
+rank 0 at least what the float64 truth captures; its other ranks write only what differs from rank
+0's (:class:`ddplab.compare.captures.SameAs`): DDP's, their bucket contributions; a step whose ranks
+hold the same bits, nothing. The figures count only that: what the comparison really uses is larger
+(recorded reductions, DDP's buckets, the analysis's float64 copies, the models themselves;
+``bench/bench_compare_scale.py`` prints both).
 
 A *pass* trains a configuration's run beside the truth and the reference (and, alongside, its twin
 and its float64 run; or those in a second pass, beside the truth). Its step is what every run of it
 captures at one step.
 
-* **scratch**: two steps of the largest pass -- the step being judged and the one before it, which
-  the replay starts from -- whatever the number of steps;
+* **scratch**: two steps of the largest pass -- the step being judged and the next one, which its
+  runs write meanwhile -- whatever the number of steps;
 * **parent**: the analysis holds, while it judges a step, that step's captures of every run of the pass;
 * **ranks**: every rank of a pass builds its step's capture in memory before writing it.
 """
@@ -72,8 +74,8 @@ def footprint(capture_bytes: dict[str, int], steps: int, configs: list[tuple[int
     held = min(steps, 2)
     scratch = parent = ranks = 0
     for world, twin, float64 in configs:
-        own = world * (rank * twin + wide * float64)          # the twin's and the float64 run's ranks
-        passes = [rank + wide + world * rank + (own if alongside else 0)]
+        own = rank * twin + wide * float64          # the twin's and the float64 run's rank 0
+        passes = [rank + wide + rank + (own if alongside else 0)]
         if not alongside and (twin or float64):
             passes.append(own + wide * float64)
         parent = max(parent, *passes)

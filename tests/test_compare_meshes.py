@@ -141,6 +141,7 @@ def _verdicts(result):
     return {label: v for label, v in result.verdicts.items()}
 
 
+@pytest.mark.slow  # the README's mesh examples (~30 s); the default suite runs a planted mesh fault
 def test_hsdp_with_micro_batches_reads_rounding_and_bf16_partial_sums_a_bug_on_the_replicate_axis(readme_meshes):
     hsdp, _, printed = readme_meshes
     correct, partial = _verdicts(hsdp).values()
@@ -154,6 +155,7 @@ def test_hsdp_with_micro_batches_reads_rounding_and_bf16_partial_sums_a_bug_on_t
     assert str(hsdp.kinds) in printed
 
 
+@pytest.mark.slow
 def test_fsdp2_over_tp_names_the_tp_all_reduce_that_ignores_reduce_dtype_and_the_drifting_norm(readme_meshes):
     _, tp, printed = readme_meshes
     correct, precision, unsynchronized = _verdicts(tp).values()
@@ -178,6 +180,7 @@ def test_fsdp2_over_tp_names_the_tp_all_reduce_that_ignores_reduce_dtype_and_the
         assert (f"{label} | {v.evidence} {v.values.get('axis')} {v.values['first_param']}" in printed) == (v.kind == "bug")
 
 
+@pytest.mark.slow
 def test_every_collective_on_every_sub_group_is_verified_and_carries_its_axis(readme_meshes):
     _, tp, _ = readme_meshes
     records = tp.records
@@ -189,6 +192,7 @@ def test_every_collective_on_every_sub_group_is_verified_and_carries_its_axis(re
     assert records[records["metric"] == "collective_unverified"].empty
 
 
+@pytest.mark.slow
 def test_shards_are_reassembled_under_the_references_names_and_twins_pair_by_tensor_parallel_coordinate(
         readme_meshes):
     _, tp, _ = readme_meshes

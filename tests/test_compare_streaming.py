@@ -100,3 +100,26 @@ def test_a_semantic_bug_is_found_when_the_references_train_beside_each_configura
     v = result.verdict("ddp W=2")
     assert (v.kind, v.referee, v.difference) == ("bug", "semantic", "factor")
     assert v.finding_values("semantic")["factor"] == pytest.approx(0.5, rel=1e-6)
+
+
+def _wide_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4))
+
+
+def test_ranks_that_train_on_past_a_nonfinite_step_do_not_wait_for_captures_nobody_reads(no_leftovers):
+    """A NaN at step 1 of 5 ends the judging there; the run trains on to its end while the parent deletes
+    its captures as they appear. Rank 1 of a model with large tensors waits for rank 0's capture of each
+    step to share what is equal (runners.SAME_AS_WAIT, 30 s): released, it must not wait at all, or the
+    run would count as hung at its 20 s timeout."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 300, generator=g), torch.randn(8, 4, generator=g)) for _ in range(5)]
+    batches[1][0][0, 0] = float("nan")
+    setup = compare.Setup(model=_wide_model, batches=batches, loss=F.mse_loss,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1), name="wide")
+    result = compare.run(setup, compare.DDP(2), timeout=20, progress=False)
+    v = result.verdict("ddp W=2")
+    assert v.kind == "exact", v.headline                       # step 0, bit for bit; then the NaN
+    assert v.finding_values("finite")["nonfinite_step"] == 1
+    status = result.records[result.records["metric"] == "steps_completed"]
+    assert status["status"].tolist() == ["completed"] and status["value"].tolist() == [5]

@@ -321,18 +321,24 @@ class Capture:
         """``data`` with what holds rank 0's bits written as a reference to rank 0's capture of this step
         (:func:`~ddplab.compare.captures.same_as`), once rank 0 wrote it: the ranks finish a step
         together and write at once, so waiting for rank 0's file costs about the writing it saves. A
-        rank 0 that has not written within :data:`SAME_AS_WAIT` seconds leaves this rank's capture whole."""
+        rank 0 that has not written within :data:`SAME_AS_WAIT` seconds leaves this rank's capture whole, and so
+        does a run the parent released (:meth:`ddplab.compare.streaming.Pass.finish`): it deletes rank 0's
+        captures as they appear, and reads none."""
         from ddplab.compare.captures import large_tensors, read_capture, same_as
+        from ddplab.compare.streaming import released
 
         if not large_tensors(data):
             return data   # a small model's capture is packed whole: nothing to share, no reason to wait
         path, deadline, delay = capture_path(self.root, self.run_id, step, 0), time.monotonic() + SAME_AS_WAIT, 0.001
         while not os.path.exists(path):
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (self.lag is not None and released(self.root, self.run_id)):
                 return data
             time.sleep(delay)
             delay = min(0.02, 2 * delay)
-        return same_as(data, read_capture(path))   # memory-mapped: only the tensors compared are read
+        try:
+            return same_as(data, read_capture(path))   # memory-mapped: only the tensors compared are read
+        except FileNotFoundError:   # released meanwhile: deleted before it was read
+            return data
 
 
 def _views_of_buckets(grads: dict | None, buckets: list[dict]) -> dict | None:

@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 from ddplab.compare.captures import CaptureCache, Captures
 
-__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "judged_path", "LiveRun", "LiveCaptures", "Pass"]
+__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "judged_path", "LiveRun", "LiveCaptures",
+           "Pass"]
 
 #: Steps a rank may run ahead of the last step the parent judged: one, so that a rank trains the
 #: next step while the parent judges this one, and the scratch folder holds a few steps at most.
@@ -66,6 +67,11 @@ def _read_judged(path: str) -> int:
             return int(f.read() or -1)
     except (FileNotFoundError, ValueError):
         return -1
+
+
+def released(root: str, run_id: str) -> bool:
+    """Has the parent released ``run_id`` (:meth:`Pass.finish`)? It judges none of its steps any more."""
+    return _read_judged(judged_path(root, run_id)) >= _NEVER_WAIT
 
 
 def wait_for_parent(root: str, run_id: str, step: int, lag: int = LAG) -> None:

@@ -339,6 +339,11 @@ class CaptureCache:
             del self._items[oldest], self._bytes[oldest]
         return value
 
+    def pin(self, root: str, run_id: str, rank: int, step: int) -> None:
+        """Never evict this capture until :meth:`forget`: its file may be deleted now."""
+        if (root, run_id, rank, step) in self._items:
+            self._pinned.add((root, run_id, rank, step))
+
     def keep_only(self, run_id: str, step: int, keys) -> None:
         """Of ``run_id``'s captures of ``step``, keep only ``keys``: what a later step still reads (the
         replay starts the next step from this one's parameters and optimizer state). They stay until

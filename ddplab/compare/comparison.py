@@ -740,7 +740,7 @@ class _Session:
             if _unavailable(config) is None:
                 own = bool(own_evidence(self.setup, config, self.reads_process_group))
                 shapes.append((config.world_size, own, own))
-        return _footprint.footprint(sizes, self.steps, shapes, alongside=self.alongside)
+        return _footprint.footprint(sizes, shapes, alongside=self.alongside)
 
 
 def _written(runs: list[RunSpec]) -> list[RunSpec]:

@@ -16,8 +16,8 @@ A *pass* trains a configuration's run beside the truth and the reference (and, a
 and its float64 run; or those in a second pass, beside the truth). Its step is what every run of it
 captures at one step.
 
-* **scratch**: two steps of the largest pass -- the step being judged and the next one, which its
-  runs write meanwhile -- whatever the number of steps;
+* **scratch**: a step of the largest pass -- the parent deletes a step's files once it holds them,
+  while its runs write the next one -- whatever the number of steps;
 * **parent**: the analysis holds, while it judges a step, that step's captures of every run of the pass;
 * **ranks**: every rank of a pass builds its step's capture in memory before writing it.
 """
@@ -64,14 +64,13 @@ class Footprint:
                 f"{size_text(self.scratch_bytes)} of scratch disk")
 
 
-def footprint(capture_bytes: dict[str, int], steps: int, configs: list[tuple[int, bool, bool]], *,
+def footprint(capture_bytes: dict[str, int], configs: list[tuple[int, bool, bool]], *,
               alongside: bool) -> Footprint:
-    """The lower bounds for ``steps`` steps. ``capture_bytes``: each reference run's step capture, by
+    """The lower bounds, whatever the number of steps. ``capture_bytes``: each reference run's step capture, by
     label (``"reference"``, the model's dtype, and ``"truth"``, float64, among them); ``configs``: per
     configuration ``(world_size, twin, float64)``, whether it runs its twin and its float64 run;
     ``alongside``: whether those start together with the run (one pass) or after it (a second pass)."""
     rank, wide = capture_bytes["reference"], capture_bytes["truth"]
-    held = min(steps, 2)
     scratch = parent = ranks = 0
     for world, twin, float64 in configs:
         own = rank * twin + wide * float64          # the twin's and the float64 run's rank 0
@@ -79,7 +78,7 @@ def footprint(capture_bytes: dict[str, int], steps: int, configs: list[tuple[int
         if not alongside and (twin or float64):
             passes.append(own + wide * float64)
         parent = max(parent, *passes)
-        scratch = max(scratch, held * max(passes))
+        scratch = max(scratch, max(passes))
         launches = [rank] + [rank] * twin + [wide] * float64
         ranks = max(ranks, world * (sum(launches) if alongside else max(launches)) + wide)
     return Footprint(parent_bytes=parent, ranks_bytes=ranks, scratch_bytes=scratch)
@@ -97,7 +96,7 @@ def check_fits(need: Footprint, *, memory: int, disk: int) -> None:
         problems.append(f"at least {size_text(need.scratch_bytes)} of scratch disk, and {size_text(disk)} are free")
     if problems:
         raise ValueError("this comparison does not fit the machine: it needs " + "; ".join(problems)
-                         + ". Compare a smaller model, or free memory or disk (a comparison holds two steps of "
+                         + ". Compare a smaller model, or free memory or disk (a comparison holds about a step of "
                          "every run of a configuration at once, whatever the number of steps).")
 
 

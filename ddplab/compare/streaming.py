@@ -4,9 +4,11 @@ Every run of a *pass* (a configuration's run, the reference runs that train besi
 and its float64 run) writes one capture per step and rank. After writing step ``s`` a rank waits
 (:func:`wait_for_parent`) until the parent has judged step ``s - LAG``; the parent judges a step of
 every run of the pass together (:func:`ddplab.compare.captures.in_step`), then marks it judged and
-deletes its captures (:meth:`Pass.judged`); what the next step reads of them stays in the parent's
-memory (:data:`NEXT_STEP_READS`: the replay starts step ``s`` from the state step ``s - 1`` left).
-A run's captures on disk are then at most ``LAG + 1`` steps, whatever the number of steps. A run *kept* in a folder of its own
+forgets it (:meth:`Pass.judged`); what the next step reads of it stays in the parent's memory
+(:data:`NEXT_STEP_READS`: the replay starts step ``s`` from the state step ``s - 1`` left). A step's
+files are deleted as soon as the parent holds every rank's (:meth:`LiveRun.read`), at the latest
+when it is judged: a run's captures on disk are then at most ``LAG + 1`` steps, about one while a
+step is judged, whatever the number of steps. A run *kept* in a folder of its own
 (:meth:`Pass.add`: a small model's reference runs, read again by later passes) neither waits nor
 is deleted.
 
@@ -93,6 +95,7 @@ class LiveRun:
         self.ended = threading.Event()
         self.written = [0] * world_size
         self.waited = 0.0       # seconds the parent spent waiting for this run's files
+        self._read: dict[int, set[int]] = {}   # step -> the ranks whose capture of it the parent holds
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
 
     def path(self, step: int, rank: int) -> str:
@@ -117,6 +120,28 @@ class LiveRun:
                 delay = min(_POLL, delay * 2)
         finally:
             self.waited += time.perf_counter() - started
+
+    def read(self, step: int, rank: int, cache: CaptureCache) -> None:
+        """The parent read rank ``rank``'s capture of ``step`` into ``cache``: it stays there until judged
+        (:meth:`CaptureCache.pin`), and once every rank's is read the step's files are deleted -- the
+        ranks then write the next step while it is judged, and the scratch folder holds about one step.
+        (Not before: a rank writes a step after reading rank 0's, :class:`~ddplab.compare.captures.SameAs`.)"""
+        cache.pin(self.root, self.run_id, rank, step)
+        if not self.deleted:
+            return
+        ranks = self._read.setdefault(step, set())
+        ranks.add(rank)
+        if len(ranks) < self.world_size:
+            return
+        del self._read[step]
+        self._delete(step)
+
+    def _delete(self, step: int) -> None:
+        for rank in range(self.world_size):
+            path = self.path(step, rank)
+            if os.path.exists(path):
+                self.written[rank] = max(self.written[rank], step + 1)   # a rank writes its steps in order
+                os.remove(path)
 
     def finished(self, rank: int) -> int:
         """How many consecutive steps rank ``rank`` wrote (after the run ended)."""
@@ -155,11 +180,8 @@ class LiveRun:
             return
         cache.keep_only(self.run_id, step, self.kept)
         cache.forget(self.run_id, before=step)
-        for rank in range(self.world_size):
-            path = self.path(step, rank)
-            if os.path.exists(path):
-                self.written[rank] = max(self.written[rank], step + 1)
-                os.remove(path)
+        self._read.pop(step, None)
+        self._delete(step)   # what no source read whole (the float64 run's ranks beyond rank 0)
 
 
 class LiveCaptures(Captures):
@@ -185,7 +207,9 @@ class LiveCaptures(Captures):
             raise IndexError("live captures are indexed from step 0")
         if not self.has(index):
             raise IndexError(f"{self.run_id} rank {self.rank} has no step {index}")
-        return self.cache.get(self.root, self.run_id, self.rank, index)
+        capture = self.cache.get(self.root, self.run_id, self.rank, index)
+        self.run.read(index, self.rank, self.cache)
+        return capture
 
     def __repr__(self) -> str:
         return f"LiveCaptures({self.run_id!r}, rank={self.rank}, planned={len(self)})"

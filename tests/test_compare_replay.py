@@ -30,6 +30,10 @@ def test_correct_runs_equal_the_replay_bit_for_bit(config, warm_launcher):
     assert set(rows["phase"]) == set(replay.PHASES)
     assert set(rows["rank"]) == set(range(config.world_size)) and rows["value"].sum() == 0
     assert result.verdict(config.label).finding_values("semantic")["max_semantic_distance"] < 1e-13
+    # The bucket audit: every reduction is gloo's ring bit for bit, judged by its bits alone.
+    audit = result.records[result.records["metric"] == "frac_matches_order"]
+    assert not audit.empty and (audit["value"] == 1).all() and set(audit["evidence"]) == {"bitwise"}
+    assert v.finding("reduction").holds
 
 
 @pytest.mark.parametrize("kind", faults.KINDS)
@@ -38,9 +42,12 @@ def test_every_planted_fault_is_a_bug_at_its_step_rank_and_phase(kind, magnitude
     if kind in ("skipped_micro_batch", "duplicated_micro_batch", "low_precision_bucket") and magnitude != "ulp":
         pytest.skip("this fault has one size")
     fault = faults.plant(kind, magnitude)
-    _, v = _verdict(fault.setup, fault.config)
+    result, v = _verdict(fault.setup, fault.config)
     assert v.kind == "bug"
     assert fault.placed(v), (fault.phase, v.evidence, v.headline)
+    if kind == "low_precision_bucket":   # bits that differ from the order are measured whole
+        audit = result.records[result.records["collective"] == "allreduce"]
+        assert not v.finding("reduction").holds and (audit["metric"] == "max_bound_ratio").any()
     if magnitude == "ulp" and kind == "local_gradient":
         assert v.values["replay_differing"] == 1 and v.values["replay_max_ulp"] == 1.0
         assert v.values["replay_module"] == faults.LAYER

@@ -346,3 +346,28 @@ def test_a_large_tensor_is_measured_a_chunk_at_a_time_with_the_numbers_of_measur
                 assert chunked[key] == pytest.approx(value, rel=1e-12, abs=0, nan_ok=True), (name, key)
             else:
                 assert chunked[key] == value, (name, key)
+
+
+def test_a_result_its_order_reproduces_is_judged_by_its_bits_alone_and_one_that_differs_is_not():
+    from ddplab.numerics import matches_order, records_of
+
+    x = torch.randn(2, 300_000, generator=gen(3))
+    live = reduce(x, "gloo_ring", **DDP)
+    bits = matches_order(live, x, "gloo_ring", **DDP)
+    full = measure(live, x, "gloo_ring", **DDP)
+    # The same verdict and bit counts as measuring it whole, without the exact sum and the bounds.
+    assert {k: bits[k] for k in ("numel", "frac_matches_order", "differs_count", "first_differs", "classification",
+                                 "evidence", "nan_count", "overflow_count")} == \
+        {k: full[k] for k in ("numel", "frac_matches_order", "differs_count", "first_differs", "classification",
+                              "evidence", "nan_count", "overflow_count")}
+    recs = records_of(bits, live, x, "gloo_ring", **DDP, step=0, bucket=0)
+    assert {r["metric"] for r in recs} == {m for m in METRICS if m in bits} and "max_bound_ratio" not in bits
+    assert {r["verdict"] for r in recs} == {"rounding"} and {r["evidence"] for r in recs} == {"bitwise"}
+    off = live.clone()
+    off[7] = off[7].nextafter(torch.tensor(math.inf))                  # one ulp: measure it whole
+    assert matches_order(off, x, "gloo_ring", **DDP) is None
+    nan = live.clone()
+    nan[0] = math.nan                                                    # not finite: measure it whole
+    assert matches_order(nan, x, "gloo_ring", **DDP) is None
+    not_bit_exact = next(order for order in ORDERS if order not in BIT_EXACT_ORDERS)
+    assert matches_order(live, x, not_bit_exact, **DDP) is None         # no bits to compare with

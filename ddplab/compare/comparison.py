@@ -254,8 +254,11 @@ def _config_steps(config: Configuration, ranks: list, caps: dict, band: RunSpec,
 
 def _reduction_steps(config: Configuration, ranks: list) -> StepRecords:
     """The referee's measure of every captured DDP bucket: its result against gloo's ring order
-    applied to the W ranks' contributions (bit for bit), per step; nothing without captured buckets."""
-    from ddplab.numerics import error_records
+    applied to the W ranks' contributions (bit for bit), per step; nothing without captured buckets.
+    A bucket whose bits the order reproduces is rounding by that evidence alone (its records: the
+    bits' numbers, :func:`~ddplab.numerics.matches_order`); one whose bits differ is measured whole,
+    against the exact sum and the bounds too."""
+    from ddplab.numerics import error_records, matches_order, records_of
     from ddplab.numerics.orders import DDP_AVERAGING
 
     def measured(step: int) -> list[dict]:   # a function: nothing of the step outlives it
@@ -265,9 +268,13 @@ def _reduction_steps(config: Configuration, ranks: list) -> StepRecords:
             if not all(index in other for other in by_rank):
                 continue
             contributions = torch.stack([other[index]["local"] for other in by_rank])
-            out += error_records(bucket["result"], contributions, "gloo_ring", op="avg",
-                                 averaging=DDP_AVERAGING, step=step, rank=0, bucket=index,
-                                 config=config.label, params=bucket["params"], collective="allreduce")
+            how = dict(op="avg", averaging=DDP_AVERAGING)
+            labels = dict(step=step, rank=0, bucket=index, config=config.label, params=bucket["params"],
+                          collective="allreduce")
+            bits = matches_order(bucket["result"], contributions, "gloo_ring", **how)
+            out += (records_of(bits, bucket["result"], contributions, "gloo_ring", **how, **labels)
+                    if bits is not None else
+                    error_records(bucket["result"], contributions, "gloo_ring", **how, **labels))
         return out
 
     for step in common_steps(*ranks):

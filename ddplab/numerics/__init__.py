@@ -19,7 +19,7 @@ from ddplab.numerics.accumulation import (accumulated_bound, accumulated_bounds,
                                           accumulated_exact_parts, as_micro_contributions, local_sums,
                                           reduce_accumulated)
 from ddplab.numerics.accuracy import (ACCUMULATED_REDUCTION_SCOPE, EVIDENCE, METRICS, REDUCTION_SCOPE,
-                                      error_records, measure)
+                                      error_records, matches_order, measure, records_of)
 from ddplab.numerics.bounds import (LABELS, NOT_ROUNDING, OVERFLOW, PROBABILISTIC_CONFIDENCE, ROUNDING,
                                     UNDETERMINED, Classification, ReductionBounds, abs_sum, classify,
                                     finite_abs_sum, gamma, pair_bound, probabilistic_bound, probabilistic_gamma,
@@ -64,6 +64,7 @@ __all__ = [
     "reduction_bounds", "ReductionBounds", "pair_bound", "classify", "Classification",
     "ROUNDING", "NOT_ROUNDING", "UNDETERMINED", "OVERFLOW", "LABELS", "PROBABILISTIC_CONFIDENCE",
     "METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "measure", "error_records",
+    "matches_order", "records_of",
     # accumulators
     "lane_partials", "lane_sum", "lane_sum_of_squares", "lane_norm", "running_sum_of_squares",
     # fixed point

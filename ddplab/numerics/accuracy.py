@@ -68,6 +68,7 @@ from ddplab.numerics.ulp import ulp_distance
 from ddplab.records import record
 
 __all__ = ["METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "same_bits", "measure",
+           "matches_order",
            "error_records", "records_of"]
 
 # The numeric entries of measure()'s dict, in the order error_records emits them.
@@ -546,10 +547,38 @@ def error_records(result, contributions, order: str | None, *, op: str = "sum", 
                       reduce_dtype=reduce_dtype, step=step, rank=rank, bucket=bucket, **labels)
 
 
+def matches_order(result, contributions, order: str, *, op: str = "sum", averaging: str | None = None,
+                  reduce_dtype=None, expected=None, **options) -> dict | None:
+    """:func:`measure`'s numbers for a finite ``result`` that holds, bit for bit, what the bit-exact
+    ``order`` gives for ``contributions`` (a ``[W, N]`` tensor): the bits' alone -- ``numel``,
+    ``frac_matches_order`` 1, ``differs_count`` 0, ``first_differs`` -1, no NaN, no overflow,
+    classification "rounding" by bitwise evidence. None otherwise: then measure it whole.
+
+    The error statistics against the exact value and the bounds cost ~25× the emulation on a large
+    tensor, and for a result the order reproduces they describe the order's own rounding, not this
+    result: a caller that judges many large reductions (``ddplab.compare``'s bucket audit) measures
+    whole only those whose bits differ."""
+    if order not in BIT_EXACT_ORDERS or not (isinstance(contributions, torch.Tensor) and contributions.dim() == 2):
+        return None
+    result = result.detach().cpu().reshape(-1)
+    if not bool(torch.isfinite(result).all()):
+        return None
+    if expected is None:
+        c = contributions if reduce_dtype is None else contributions.to(parse_dtype(reduce_dtype))
+        expected = reduce(c, order, op=op, averaging=None if order == "exact" else averaging, **options)
+    expected = expected.detach().cpu().reshape(-1)
+    if expected.shape != result.shape or expected.dtype != result.dtype or not bool(same_bits(result, expected).all()):
+        return None
+    return dict(numel=result.numel(), frac_matches_order=1.0, differs_count=0, first_differs=-1, nan_count=0,
+                overflow_count=0, differs_by_chunk=[], classification=ROUNDING, evidence="bitwise",
+                scope=REDUCTION_SCOPE)
+
+
 def records_of(m: dict, result, contributions, order: str | None, *, op: str = "sum",
                averaging: str | None = None, accumulate=None, reduce_dtype=None, step: int | None = None,
                rank: int | None = None, bucket: int | None = None, **labels) -> list[dict]:
-    """:func:`error_records` of a :func:`measure` dict ``m`` already computed for these arguments."""
+    """:func:`error_records` of a :func:`measure` (or :func:`matches_order`) dict ``m`` already computed
+    for these arguments: one record per metric of :data:`METRICS` that ``m`` holds."""
     world = contributions.shape[0] if isinstance(contributions, torch.Tensor) else \
         as_contributions(contributions).world_size
     base = dict(order=order, op=op, dtype=float_format(result.dtype).name, world_size=world,
@@ -561,4 +590,5 @@ def records_of(m: dict, result, contributions, order: str | None, *, op: str = "
     if reduce_dtype is not None:
         base["reduce_dtype"] = float_format(reduce_dtype).name
     base.update(labels)
-    return [record(metric, m[metric], step=step, rank=rank, bucket=bucket, **base) for metric in METRICS]
+    return [record(metric, m[metric], step=step, rank=rank, bucket=bucket, **base) for metric in METRICS
+            if metric in m]

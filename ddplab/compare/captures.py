@@ -304,8 +304,10 @@ SPARE_BYTES = 16 * 2**20
 
 class CaptureCache:
     """The captures read last, by (run, rank, step): always the last ``size``, and older ones while all
-    of them together stay within ``spare_bytes`` on disk; the rest are forgotten. The memory held is
-    then at most ``max(size captures, spare_bytes)``, whatever the number of steps."""
+    of them together stay within ``spare_bytes`` on disk; the rest are forgotten, except those pinned
+    (:meth:`pin`, :meth:`keep_only`: their files may be deleted), which stay until :meth:`forget`. The
+    memory held is then ``max(size captures, spare_bytes)`` and the steps pinned, whatever the number
+    of steps."""
 
     def __init__(self, size: int, spare_bytes: int = SPARE_BYTES):
         if size < 1:
@@ -315,7 +317,7 @@ class CaptureCache:
         self.size, self.spare_bytes = size, spare_bytes
         self._items: collections.OrderedDict = collections.OrderedDict()
         self._bytes: dict = {}
-        self._pinned: set = set()   # what :meth:`keep_only` kept: its file is gone, so it is never evicted
+        self._pinned: set = set()   # captures whose file may be gone (pin, keep_only): kept until forgotten
         self.reads = 0
 
     def get(self, root: str, run_id: str, rank: int, step: int) -> dict:

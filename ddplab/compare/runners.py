@@ -316,7 +316,6 @@ class Capture:
             wait_for_parent(self.root, self.run_id, step, self.lag)
         return data
 
-
     def _same_as_rank_zero(self, data: dict, step: int) -> dict:
         """``data`` with what holds rank 0's bits written as a reference to rank 0's capture of this step
         (:func:`~ddplab.compare.captures.same_as`), once rank 0 wrote it: the ranks finish a step
@@ -329,7 +328,8 @@ class Capture:
 
         if not large_tensors(data):
             return data   # a small model's capture is packed whole: nothing to share, no reason to wait
-        path, deadline, delay = capture_path(self.root, self.run_id, step, 0), time.monotonic() + SAME_AS_WAIT, 0.001
+        path = capture_path(self.root, self.run_id, step, 0)
+        deadline, delay = time.monotonic() + SAME_AS_WAIT, 0.001
         while not os.path.exists(path):
             if time.monotonic() > deadline or (self.lag is not None and released(self.root, self.run_id)):
                 return data
@@ -393,7 +393,6 @@ def collective_state(record) -> dict:
 def collective_record(state: dict):
     """The :class:`ddplab.collectives.CollectiveRecord` or ``HookResult`` :func:`collective_state` wrote."""
     from ddplab.collectives import CollectiveRecord, HookResult
-
     from ddplab.compare.captures import Scaled
 
     state = dict(state)

@@ -49,7 +49,11 @@ def _glibc_trim() -> Callable[[], None]:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return lambda: None
-    return lambda: trim(0) and None
+
+    def release() -> None:
+        trim(0)
+
+    return release
 
 
 #: Give the memory of a judged step back to the system. glibc serves tensors below its mmap threshold

@@ -1,7 +1,9 @@
 """A capture stores each distinct large tensor's bytes once: clones of equal bits (DDP's bucket, its
 hook's result, the all-reduce's output) are written once, and everything reads back bit for bit."""
 import os
+import pathlib
 
+import pytest
 import torch
 
 from ddplab.compare.captures import PACKED_NUMEL, read_capture, save_capture
@@ -162,3 +164,35 @@ def test_a_ddp_rank_writes_what_it_shares_with_rank_0_once(tmp_path):
     zero, one = cache.get(root, "run", 0, 0), cache.get(root, "run", 1, 0)
     assert one["params"]["0.weight"] is zero["params"]["0.weight"]
     assert not _same_bits(one["buckets"][0]["local"], zero["buckets"][0]["local"])   # each rank's own share
+
+
+SAVE_ON_A_FULL_DISK = """
+import json, os, sys, torch
+from ddplab.compare.captures import save_capture
+try:
+    save_capture({"x": torch.randn(2_000_000)}, os.path.join(sys.argv[1], "cap.pt"))
+    print(json.dumps({"raised": None}))
+except OSError as exc:
+    print(json.dumps({"raised": type(exc).__name__, "errno": exc.errno, "text": str(exc),
+                      "left": sorted(os.listdir(sys.argv[1]))}))
+"""
+
+
+def test_a_capture_that_does_not_fit_the_disk_says_so_and_leaves_nothing(tmp_path):
+    """torch.save reports a full disk as "unexpected pos": a capture raises ENOSPC with the sizes instead,
+    which a comparison tells apart (compare.streaming.disk_full), and removes its partial file."""
+    import json
+    import sys
+
+    from mounts import can_mount, on_tmpfs
+
+    if not sys.platform.startswith("linux") or not can_mount():
+        pytest.skip("needs a mount namespace (unshare --user --mount) for a small tmpfs")
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_ON_A_FULL_DISK)
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parent.parent)}
+    proc = on_tmpfs(tmp_path / "disk", "size=1m", [sys.executable, str(script), str(tmp_path / "disk")],
+                    cwd=tmp_path, env=env)
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["raised"] == "OSError" and seen["errno"] == 28, seen
+    assert "No space left on device for a capture of 8000" in seen["text"] and seen["left"] == [], seen

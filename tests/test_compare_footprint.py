@@ -101,3 +101,35 @@ def test_a_comparison_whose_scratch_cannot_fit_the_disk_is_refused_before_any_co
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["refused"] and "of scratch disk" in seen["refused"], seen
     assert not seen["configuration_ran"]
+
+
+FILLS = """
+import json, sys, tempfile
+import bench_compare_scale as scale
+from ddplab import compare, launcher
+launcher.launch(lambda: 1, world_size=1)   # the forkserver's socket stays in the usual (short) temp folder
+tempfile.tempdir = sys.argv[1]
+configs = [compare.DDP(2), compare.DDP(2, name="again")]
+result = compare.run(scale.setup_for(300, 4), configs, progress=False)
+status = result.records[result.records["metric"] == "steps_completed"].set_index("config")
+print(json.dumps({"kinds": result.kinds, "stopped": result.stopped,
+                  "errors": {k: str(e) for k, e in result.errors.items()},
+                  "error_labels": status["error"].dropna().to_dict()}))
+"""
+
+
+@needs_mount
+def test_a_scratch_disk_that_fills_during_a_comparison_ends_it_with_the_reason_and_keeps_what_was_judged(tmp_path):
+    # The same 180K-parameter DDP(2) on 6 MiB: the stated 5.7 MB fits, a step and the next being written do not.
+    driver = tmp_path / "driver.py"
+    driver.write_text(FILLS)
+    disk = tmp_path / "disk"
+    proc = on_tmpfs(disk, "size=6m", [sys.executable, str(driver), str(disk)], cwd=tmp_path, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]    # no OSError out of compare.run
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    kinds = list(seen["kinds"].values())
+    assert seen["stopped"] and "crashed" in kinds, seen
+    full = kinds.index("crashed")
+    assert all(kind == "exact" for kind in kinds[:full]) and all(kind == "not run" for kind in kinds[full + 1:]), seen
+    label = list(seen["kinds"])[full]
+    assert "disk filled" in seen["errors"][label] and seen["error_labels"][label].startswith("ScratchFull"), seen

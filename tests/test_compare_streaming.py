@@ -123,3 +123,17 @@ def test_ranks_that_train_on_past_a_nonfinite_step_do_not_wait_for_captures_nobo
     assert v.finding_values("finite")["nonfinite_step"] == 1
     status = result.records[result.records["metric"] == "steps_completed"]
     assert status["status"].tolist() == ["completed"] and status["value"].tolist() == [5]
+
+
+def test_a_step_is_reported_done_once_every_rank_of_the_run_has_written_it():
+    """Progress (and the explorer's Stop after a step) counts a step when every rank sent its gradient
+    norm, which a rank does after writing its capture: rank 0 alone is not the step."""
+    from ddplab import records
+
+    calls = []
+    progress = comparison._Progress(3, False, lambda *call: calls.append(call), {"ddp W=2": 2})
+    for rank, step in [(0, 0), (0, 1), (1, 0)]:
+        progress(records.record("grad_norm", 1.0, step=step, rank=rank, config="ddp W=2"))
+    progress(records.record("grad_norm", 1.0, step=0, rank=0, config="reference"))   # one rank
+    progress(records.record("loss", 1.0, step=2, rank=1, config="ddp W=2"))            # not a step's end
+    assert calls == [("ddp W=2", 0, 3), ("reference", 0, 3)]

@@ -13,9 +13,12 @@ ranks, not with the number of steps.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import errno
 import math
 import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -230,8 +233,20 @@ def save_capture(data: dict, path: str) -> None:
         return markers[id(x)]
 
     skeleton = _walk(data, pack)
-    torch.save({_PACKED: {str(d).removeprefix("torch."): b for d, b in buffers.items()}, "data": skeleton},
-               path + ".tmp")
+    try:
+        torch.save({_PACKED: {str(d).removeprefix("torch."): b for d, b in buffers.items()}, "data": skeleton},
+                   path + ".tmp")
+    except (OSError, RuntimeError) as exc:
+        needed = sum(b.numel() * b.element_size() for b in buffers.values()) + sum(
+            t.untyped_storage().nbytes() for t in large if id(t) not in same)
+        free = shutil.disk_usage(os.path.dirname(path) or ".").free
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp")   # a partial capture holds the room the next one needs
+        # torch.save says only "unexpected pos" when the disk fills: say what it is.
+        if (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or free < needed:
+            raise OSError(errno.ENOSPC, f"No space left on device for a capture of {needed} bytes "
+                                        f"({free} bytes free)", path) from exc
+        raise
     os.replace(path + ".tmp", path)  # a capture that exists is complete
 
 

@@ -52,6 +52,7 @@ from ddplab.compare import meshes as _meshes
 from ddplab.compare import referee as _referee
 from ddplab.compare import replay as _replay
 from ddplab.compare import stand_in as _stand_in
+from ddplab.compare import streaming as _streaming
 from ddplab.compare import twin as _twin
 from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
 from ddplab.compare.runners import (DIFFERENT_MODEL, RunSpec, configuration_worker, precision_reference,
@@ -125,17 +126,24 @@ class Comparison:
 
 
 class _Progress:
-    """One bar per run label, fed by rank 0's records; and the user's callback."""
+    """One bar per run label, and the user's callback: a step is done when every rank of the run
+    (``world``: label -> world size; 1 where absent) has written it and sent its gradient norm."""
 
-    def __init__(self, steps: int, show: bool, callback: Callable | None):
-        self.steps, self.show, self.callback = steps, show, callback
+    def __init__(self, steps: int, show: bool, callback: Callable | None, world: dict[str, int]):
+        self.steps, self.show, self.callback, self.world = steps, show, callback, world
         self.bars: dict[str, object] = {}
         self.done: dict[str, int] = {}
+        self._ranks: dict[tuple, set] = {}   # (label, step) -> the ranks that finished it
 
     def __call__(self, rec: dict) -> None:
-        if rec.get("metric") != "grad_norm" or rec.get("rank") not in (0, None) or rec.get("step") is None:
+        if rec.get("metric") != "grad_norm" or rec.get("step") is None:
             return
         label = rec.get("config")
+        finished = self._ranks.setdefault((label, rec["step"]), set())
+        finished.add(rec.get("rank") or 0)
+        if len(finished) < self.world.get(label, 1):
+            return
+        del self._ranks[(label, rec["step"])]
         done = rec["step"] + 1
         if done <= self.done.get(label, 0):
             return
@@ -605,6 +613,8 @@ class _Session:
         judged_all = streamed.cut is None and min(streamed.runs[run_id].written) >= self.steps
         streamed.finish(stop=[] if self.keep_references or judged_all else references)
         self._keep_status(config, streamed.outcomes.get(run_id), run_id in streamed.stopped_here)
+        if self._scratch_full(config, streamed):
+            references = []   # stopped by the full disk, or failed for it: not the reference's own failure
         for key in references:
             failed = streamed.outcomes.get(key)
             if isinstance(failed, BaseException) and not isinstance(failed, _launcher.LaunchStopped):
@@ -618,6 +628,20 @@ class _Session:
         judged = facts["done"] if streamed.cut is None else min(facts["done"], streamed.cut)
         records += self._semantic_records(config, judged)
         return records, facts, streamed.cut
+
+    def _scratch_full(self, config: Configuration, streamed: Pass) -> bool:
+        """Did the scratch folder's disk fill during ``config``'s pass (the parent could not write, or a
+        launch failed for it)? Then ``config`` crashed for that reason and the comparison stops there,
+        keeping what was judged: every later pass would need the same disk."""
+        failure = streamed.failure or next((outcome for outcome in streamed.outcomes.values()
+                                            if _streaming.disk_full(outcome)), None)
+        if failure is None:
+            return False
+        if not isinstance(failure, _streaming.ScratchFull):
+            failure = _streaming.ScratchFull(f"the scratch folder's disk filled: {str(failure).splitlines()[0]}")
+        self.statuses[config.label] = ("crashed", failure)
+        self.stopped = True
+        return True
 
     def _judge(self, config: Configuration, streamed: Pass, run_id: str, caps: dict, band: RunSpec,
                runs: list[RunSpec], variant_ids: dict) -> tuple[list[dict], dict, dict]:
@@ -697,7 +721,9 @@ class _Session:
             raise
         streamed.finish(stop=[] if self.keep_references else ["references"])
         failed = streamed.outcomes.get("references")
-        if isinstance(failed, BaseException) and not isinstance(failed, _launcher.LaunchStopped):
+        if streamed.failure is not None or _streaming.disk_full(failed):
+            self.stopped = True   # the disk filled: what was judged stands, nothing more runs
+        elif isinstance(failed, BaseException) and not isinstance(failed, _launcher.LaunchStopped):
             raise _reference_failure(failed)
         return self._own_records(config, streamed, variant_ids, own)
 
@@ -773,8 +799,8 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     :class:`~ddplab.compare.Custom`; ``steps``: how many global batches
     (default: all); ``timeout``: seconds per launch before it counts as hung;
     ``progress``: True for one bar per run, False for none, or a callable
-    ``fn(config, step, steps)`` called as each step finishes (from the thread
-    that watches that launch, one call at a time).
+    ``fn(config, step, steps)`` called as each step finishes on every rank
+    (from the thread that watches that launch, one call at a time).
 
     Raises ValueError before any process starts when a configuration is
     unusable, and before any configuration starts when the setup is (a
@@ -805,7 +831,8 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
             first = os.path.join(root, "first")
             facts = first_launch(setup, steps, configs, first, timeout)
             steps = facts["steps"]
-            bars = _Progress(steps, progress is True, progress if callable(progress) else None)
+            bars = _Progress(steps, progress is True, progress if callable(progress) else None,
+                             {c.label: c.world_size for c in configs})
 
             def on_record(rec: dict) -> None:   # from the threads that watch a pass's launches
                 with lock:

@@ -21,6 +21,7 @@ first step where a value turned non-finite).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 import time
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from ddplab.compare.captures import CaptureCache, Captures
 
 __all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "judged_path", "LiveRun", "LiveCaptures",
-           "Pass"]
+           "Pass", "ScratchFull", "disk_full"]
 
 #: Steps a rank may run ahead of the last step the parent judged: one, so that a rank trains the
 #: next step while the parent judges this one, and the scratch folder holds a few steps at most.
@@ -60,6 +61,21 @@ def _glibc_trim() -> Callable[[], None]:
 #: (which grows to 32 MiB as large blocks are freed) from its heap and keeps what is freed there: without
 #: this a 10M-parameter comparison's parent grew ~7 model sizes more (measured).
 release_freed_memory = _glibc_trim()
+
+
+class ScratchFull(RuntimeError):
+    """The scratch folder's disk filled while a comparison ran: its pass ends, and nothing more runs."""
+
+
+def disk_full(error: BaseException | None) -> bool:
+    """Is ``error`` a full disk (ENOSPC or EDQUOT): raised here, or by a rank (a launch's ``RankFailed``)?"""
+    if isinstance(error, ScratchFull):
+        return True
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    said = f"{getattr(error, 'remote_traceback', '') or ''}\n{error}"
+    return getattr(error, "exc_type", None) in ("OSError", "RuntimeError") and any(
+        f"[Errno {code}]" in said for code in (errno.ENOSPC, errno.EDQUOT))
 
 
 def judged_path(root: str, run_id: str) -> str:
@@ -176,16 +192,15 @@ class LiveRun:
         if not self.deleted:
             cache.forget(self.run_id, before=step)   # on disk for a later pass; out of memory now
             return
+        if delete:   # first: on a full disk, the marker below needs the room they free
+            cache.keep_only(self.run_id, step, self.kept)
+            cache.forget(self.run_id, before=step)
+            self._read.pop(step, None)
+            self._delete(step)   # what no source read whole (the float64 run's ranks beyond rank 0)
         tmp = judged_path(self.root, self.run_id) + ".tmp"
         with open(tmp, "w") as f:
             f.write(str(step))
         os.replace(tmp, judged_path(self.root, self.run_id))
-        if not delete:
-            return
-        cache.keep_only(self.run_id, step, self.kept)
-        cache.forget(self.run_id, before=step)
-        self._read.pop(step, None)
-        self._delete(step)   # what no source read whole (the float64 run's ranks beyond rank 0)
 
 
 class LiveCaptures(Captures):
@@ -236,6 +251,7 @@ class Pass:
         self._lock = threading.Lock()
         self._round_started = time.perf_counter()
         self._waited = 0.0      # the runs' ``waited`` at the start of the round
+        self.failure: ScratchFull | None = None   # the disk filled: every launch of the pass was stopped
 
     def start(self, key: str, launch, run_ids: list[str], after=None) -> None:
         """Run ``launch`` (a :class:`ddplab.launcher.Launch`) in a thread: the runs ``run_ids`` end when it
@@ -277,7 +293,13 @@ class Pass:
         captures are deleted as they appear: nothing reads them."""
         self.stop(list(stop))
         for run in self.runs.values():
-            run.judged(_NEVER_WAIT, self.cache, delete=False)
+            try:
+                run.judged(_NEVER_WAIT, self.cache, delete=False)
+            except OSError as exc:   # a disk too full for the marker: nothing may run on
+                if not disk_full(exc):
+                    raise
+                self.failure = self.failure or ScratchFull(f"the scratch folder's disk filled ({exc.strerror})")
+                self.stop(self.launches())
         for thread in self._threads:
             while thread.is_alive():
                 thread.join(0.02)
@@ -320,9 +342,17 @@ class Pass:
     def judged(self, step: int) -> None:
         """Every source judged ``step`` (:func:`ddplab.compare.captures.in_step`): release the ranks, delete
         what no source reads again, and move each launch's deadline by the time the step took to judge --
-        time its ranks may have spent waiting for the parent, not hanging."""
-        for run in self.runs.values():
-            run.judged(step, self.cache)
+        time its ranks may have spent waiting for the parent, not hanging. A disk too full to say so
+        ends the pass (:attr:`failure`): its ranks could never go on."""
+        try:
+            for run in self.runs.values():
+                run.judged(step, self.cache)
+        except OSError as exc:
+            if not disk_full(exc):
+                raise
+            self.failure = self.failure or ScratchFull(f"the scratch folder's disk filled after step {step} was "
+                                                       f"judged ({exc.strerror})")
+            self.stop(self.launches())
         release_freed_memory()
         now, waited = time.perf_counter(), sum(run.waited for run in self.runs.values())
         judging = max(0.0, (now - self._round_started) - (waited - self._waited))

@@ -89,16 +89,21 @@ with launcher.observe(lambda run, rec: seen.append(rec)):
 """
 
 
+def _on_tmpfs(tmp_path, script: str, size: str) -> dict:
+    """``script`` run with a ``size`` tmpfs as its scratch folder: what it printed last, as JSON."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(script)
+    disk = tmp_path / "disk"
+    proc = on_tmpfs(disk, f"size={size}", [sys.executable, str(driver), str(disk)], cwd=tmp_path, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]   # nothing escaped compare.run
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @needs_mount
 def test_a_comparison_whose_scratch_cannot_fit_the_disk_is_refused_before_any_configuration(tmp_path):
     # 180K parameters (0.7 MB): a pass of DDP(2) holds a step of the truth (2.9 MB), the reference and
     # rank 0 (1.4 MB each) at least: 5.7 MB, and 5 MiB are free (the first launch's 4.3 MB fit).
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    disk = tmp_path / "disk"
-    proc = on_tmpfs(disk, "size=5m", [sys.executable, str(driver), str(disk)], cwd=tmp_path, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = _on_tmpfs(tmp_path, DRIVER, "5m")
     assert seen["refused"] and "of scratch disk" in seen["refused"], seen
     assert not seen["configuration_ran"]
 
@@ -121,12 +126,7 @@ print(json.dumps({"kinds": result.kinds, "stopped": result.stopped,
 @needs_mount
 def test_a_scratch_disk_that_fills_during_a_comparison_ends_it_with_the_reason_and_keeps_what_was_judged(tmp_path):
     # The same 180K-parameter DDP(2) on 6 MiB: the stated 5.7 MB fits, a step and the next being written do not.
-    driver = tmp_path / "driver.py"
-    driver.write_text(FILLS)
-    disk = tmp_path / "disk"
-    proc = on_tmpfs(disk, "size=6m", [sys.executable, str(driver), str(disk)], cwd=tmp_path, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]    # no OSError out of compare.run
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = _on_tmpfs(tmp_path, FILLS, "6m")
     kinds = list(seen["kinds"].values())
     assert seen["stopped"] and "crashed" in kinds, seen
     full = kinds.index("crashed")

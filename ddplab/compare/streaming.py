@@ -74,7 +74,7 @@ def disk_full(error: BaseException | None) -> bool:
     if isinstance(error, OSError):
         return error.errno in (errno.ENOSPC, errno.EDQUOT)
     said = f"{getattr(error, 'remote_traceback', '') or ''}\n{error}"
-    return getattr(error, "exc_type", None) in ("OSError", "RuntimeError") and any(
+    return getattr(error, "exc_type", None) == "OSError" and any(
         f"[Errno {code}]" in said for code in (errno.ENOSPC, errno.EDQUOT))
 
 
@@ -287,6 +287,13 @@ class Pass:
         for _, launch in running:
             launch.stop()
 
+    def _filled(self, exc: OSError, when: str) -> None:
+        """A marker could not be written: a full disk ends the pass (:attr:`failure`); anything else is raised."""
+        if not disk_full(exc):
+            raise exc
+        self.failure = self.failure or ScratchFull(f"the scratch folder's disk filled{when} ({exc.strerror})")
+        self.stop(self.launches())
+
     def finish(self, stop=()) -> None:
         """Every step that can be judged was: stop the launches ``stop`` (inputs nobody reads any more),
         let the others train to their end without waiting for the parent, and wait for them all. Their
@@ -295,11 +302,8 @@ class Pass:
         for run in self.runs.values():
             try:
                 run.judged(_NEVER_WAIT, self.cache, delete=False)
-            except OSError as exc:   # a disk too full for the marker: nothing may run on
-                if not disk_full(exc):
-                    raise
-                self.failure = self.failure or ScratchFull(f"the scratch folder's disk filled ({exc.strerror})")
-                self.stop(self.launches())
+            except OSError as exc:
+                self._filled(exc, "")
         for thread in self._threads:
             while thread.is_alive():
                 thread.join(0.02)
@@ -348,11 +352,7 @@ class Pass:
             for run in self.runs.values():
                 run.judged(step, self.cache)
         except OSError as exc:
-            if not disk_full(exc):
-                raise
-            self.failure = self.failure or ScratchFull(f"the scratch folder's disk filled after step {step} was "
-                                                       f"judged ({exc.strerror})")
-            self.stop(self.launches())
+            self._filled(exc, f" after step {step} was judged")
         release_freed_memory()
         now, waited = time.perf_counter(), sum(run.waited for run in self.runs.values())
         judging = max(0.0, (now - self._round_started) - (waited - self._waited))

@@ -22,20 +22,26 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench
 def test_the_footprint_counts_a_step_of_a_pass_and_refuses_with_the_figures():
     sizes = {"reference": 100, "truth": 200}
     need = footprint.footprint(sizes, [(2, False, False), (2, True, True)], alongside=True)
-    # A pass: the truth and the reference beside the configuration's rank 0 (100: the other rank writes
-    # only what differs from it), and with its twin and float64 run alongside, their rank 0 (100 + 200).
-    # One of its steps on disk, whatever the steps: the parent deletes a step once it holds it.
-    assert need.parent_bytes == need.scratch_bytes == 100 + 200 + 100 + (100 + 200)
-    assert footprint.footprint(sizes, [(2, False, False)], alongside=True).scratch_bytes == 400
+    # A pass: the configuration's rank 0 (100: the other rank writes only what differs from it), and
+    # with its twin and float64 run alongside, their rank 0 (100 + 200). The reference runs judge where
+    # they train and write nothing. One of its steps on disk, whatever the steps: the parent deletes a
+    # step once it holds it.
+    assert need.parent_bytes == need.scratch_bytes == 100 + (100 + 200)
+    assert footprint.footprint(sizes, [(2, False, False)], alongside=True).scratch_bytes == 100
     assert need.ranks_bytes == 2 * (100 + 100 + 200) + 200      # the three launches' captures and the truth's
     apart = footprint.footprint(sizes, [(2, True, True)], alongside=False)
-    assert apart.parent_bytes == max(100 + 200 + 100, (100 + 200) + 200)   # the run's pass, then the variants'
+    assert apart.parent_bytes == max(100, 100 + 200)           # the run's pass, then the variants'
     assert apart.ranks_bytes == 2 * 200 + 200
-    footprint.check_fits(need, memory=need.memory_bytes, disk=need.scratch_bytes)
+    # A small model's reference runs are written for the parent to judge: the truth and the reference too.
+    kept = footprint.footprint(sizes, [(2, False, False), (2, True, True)], alongside=True, references_on_disk=True)
+    assert kept.scratch_bytes == 100 + 200 + 100 + (100 + 200)
+    assert footprint.footprint(sizes, [(2, True, True)], alongside=False,
+                               references_on_disk=True).parent_bytes == max(100 + 200 + 100, (100 + 200) + 200)
+    footprint.check_fits(kept, memory=kept.memory_bytes, disk=kept.scratch_bytes)
     with pytest.raises(ValueError, match=r"at least 700 B of scratch disk, and 512 B are free"):
-        footprint.check_fits(need, memory=10**9, disk=512)
+        footprint.check_fits(kept, memory=10**9, disk=512)
     with pytest.raises(ValueError, match=r"at least 1000 B of memory .* and 100 B are available"):
-        footprint.check_fits(need, memory=100, disk=10**9)
+        footprint.check_fits(kept, memory=100, disk=10**9)
 
 
 def test_what_a_comparison_needs_is_stated_and_never_more_than_it_holds(no_leftovers, monkeypatch, tmp_path):
@@ -44,7 +50,7 @@ def test_what_a_comparison_needs_is_stated_and_never_more_than_it_holds(no_lefto
 
     from ddplab.compare import streaming
 
-    held, steps_on_disk, done = [0], [0], threading.Event()
+    held, steps_on_disk, done, folders = [0], [0], threading.Event(), set()
 
     def poll():                     # the scratch folder, every 2 ms: its bytes and each run's steps on it
         while not done.wait(0.002):
@@ -54,6 +60,7 @@ def test_what_a_comparison_needs_is_stated_and_never_more_than_it_holds(no_lefto
             except FileNotFoundError:
                 continue            # deleted between the listing and the size
             steps_on_disk.append(max((len({f[:7] for b, f in files if b == base}) for base, _ in files), default=0))
+            folders.update(tuple(os.path.relpath(base, tmp_path).split(os.sep)[1:]) for base, _ in files)
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(comparison, "KEEP_REFERENCES_BYTES", 0)   # as for a large model: references stream too
@@ -69,6 +76,10 @@ def test_what_a_comparison_needs_is_stated_and_never_more_than_it_holds(no_lefto
     assert 0 < need.scratch_bytes <= max(held)
     # Flat in steps: no run ever had more than LAG + 1 of its 6 steps on disk.
     assert 1 <= max(steps_on_disk) <= streaming.LAG + 1, steps_on_disk
+    # The reference runs wrote their first step for the figures (folder "first"), then nothing: they judge
+    # where they train.
+    runs = {run for where, run in folders if where != "first"}
+    assert ("first", "truth") in folders and runs and all(run.startswith("config") for run in runs), folders
     stated = result.records[result.records["metric"] == "expected_scratch_bytes"]
     assert stated["value"].tolist() == [need.scratch_bytes]
 

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 
 from ddplab import compare
-from ddplab.compare import examples
+from ddplab.compare import comparison, examples
 from ddplab.compare.setup import global_batches
 
 
@@ -20,7 +21,10 @@ def nan_on_rank_1_at_step_1(ctx):
     return loss.item()
 
 
-def test_a_nan_in_the_data_is_named_and_the_steps_before_it_judged(warm_launcher):
+@pytest.mark.parametrize("judged", ["in the parent", "where the references train"])
+def test_a_nan_in_the_data_is_named_and_the_steps_before_it_judged(warm_launcher, monkeypatch, judged):
+    if judged == "where the references train":   # as for a large model: the reference process finds its NaN
+        monkeypatch.setattr(comparison, "KEEP_REFERENCES_BYTES", 0)
     setup = examples.digits_setup(0, steps=3)
     batches = [tuple(t.clone() for t in b) for b in global_batches(setup)]
     batches[2][0].view(-1)[77] = float("nan")               # one NaN pixel in the third batch
@@ -34,5 +38,8 @@ def test_a_nan_in_the_data_is_named_and_the_steps_before_it_judged(warm_launcher
     assert ddp.finding_values("within_band")["steps_compared"] == 2
     planted = result.verdict("nan_on_rank_1_at_step_1 W=2")
     assert (planted.kind, planted.evidence, planted.difference) == ("bug", "finite", "nonfinite")
-    # the data's NaN at step 2 comes later: the planted one at step 1 is first
+    # the data's NaN at step 2 comes later: the planted one at step 1 is first; the reference, trained on
+    # past that cut, still says where it turns non-finite
     assert planted.values["nonfinite_step"] == 1 and planted.values["reference_step"] == 2
+    judged_steps = result.records[result.records["metric"] == "deviation"].groupby("config")["step"].max()
+    assert judged_steps.to_dict() == {"ddp W=2": 1, "nan_on_rank_1_at_step_1 W=2": 0, "reference": 1}

@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
            "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits", "Scaled",
-           "SameAs", "same_as", "large_tensors"]
+           "SameAs", "same_as", "large_tensors", "resolve_same_as", "RecentSteps"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
@@ -186,7 +186,7 @@ def same_as(data: dict, other: dict) -> dict:
     return walk(data, ())
 
 
-def _resolve(data, other: Callable[[], dict]):
+def resolve_same_as(data, other: Callable[[], dict]):
     """``data`` with every :class:`SameAs` replaced by ``other()``'s tensor at its key."""
     return _walk(data, lambda x: _at(other(), x.key) if isinstance(x, SameAs) else x)
 
@@ -346,7 +346,7 @@ class CaptureCache:
         path = capture_path(root, run_id, step, rank)
         value = read_capture(path, mmap=False)
         if rank != 0:   # rank 0's tensors where this rank wrote SameAs: one tensor in memory for both
-            value = _resolve(value, lambda: self.get(root, run_id, 0, step))
+            value = resolve_same_as(value, lambda: self.get(root, run_id, 0, step))
         self._items[key] = value
         self._bytes[key] = os.path.getsize(path)
         while len(self._items) > self.size and sum(self._bytes.values()) > self.spare_bytes:
@@ -380,6 +380,28 @@ class CaptureCache:
             self._items[key].clear()
             del self._items[key], self._bytes[key]
             self._pinned.discard(key)
+
+
+class RecentSteps:
+    """The last ``keep`` steps of a run that trains in this process, as the sequence the sources walk
+    (:func:`common_steps`): a step is there once :meth:`put`, and ``keep`` steps later it is dropped
+    (localization's fit at a step reads the truth's step before)."""
+
+    def __init__(self, steps: int, keep: int = 2):
+        self.steps, self.keep, self._items = steps, keep, {}
+
+    def put(self, step: int, capture: dict) -> None:
+        self._items[step] = capture
+        self._items.pop(step - self.keep, None)
+
+    def has(self, step: int) -> bool:
+        return step in self._items
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> dict:
+        return self._items[step]
 
 
 class Captures(Sequence):

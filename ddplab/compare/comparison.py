@@ -44,22 +44,20 @@ from ddplab.compare import recorded as _recorded
 from ddplab.compare.captures import CaptureCache, StepRecords, common_steps, has_step, in_step
 from ddplab.compare.streaming import LAG, Pass
 from ddplab.compare import data as _data
-from ddplab.compare import float64_run as _float64
 from ddplab.compare import footprint as _footprint
-from ddplab.compare import localization as _localization
 from ddplab.compare import mesh_evidence as _mesh_evidence
 from ddplab.compare import meshes as _meshes
-from ddplab.compare import referee as _referee
 from ddplab.compare import replay as _replay
 from ddplab.compare import stand_in as _stand_in
 from ddplab.compare import streaming as _streaming
 from ddplab.compare import twin as _twin
 from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, check_configurations
-from ddplab.compare.runners import (DIFFERENT_MODEL, RunSpec, configuration_worker, precision_reference,
-                                    reference_runs, reference_worker, train_references)
+from ddplab.compare.reference_judge import (JudgedSteps, JudgeSpec, ReferenceJudge, band_reference,
+                                            detected_precision, judge_here, judged_there)
+from ddplab.compare.runners import (DIFFERENT_MODEL, RunSpec, configuration_worker, reference_runs,
+                                    reference_worker, STEP_METRICS, train_references)
 from ddplab.compare.setup import Setup, SetupError, check_setup, global_batches, model_digest
 from ddplab.compare.verdicts import ConfigVerdict, comparison_verdict, judge, verdicts_markdown
-from ddplab.numerics import unit_roundoff
 
 __all__ = ["Comparison", "ReferenceFailed", "run", "DEFAULT_TIMEOUT"]
 
@@ -184,16 +182,6 @@ def _unavailable(config: Configuration) -> str | None:
 # --------------------------------------------------------------------------- analysis
 
 
-def _band_run(config: Configuration, runs: list[RunSpec], precision: tuple | None = None) -> RunSpec:
-    param_dtype, reduce_dtype = precision or config.dtypes()
-    for spec in runs:
-        if spec.label == "truth":
-            continue
-        if (spec.param_dtype, spec.reduce_dtype) == (param_dtype, reduce_dtype):
-            return spec
-    raise AssertionError(f"no reference run for precision {(param_dtype, reduce_dtype)}")
-
-
 def _compression(config: Configuration) -> str | None:
     """The low precision a configuration's comm hook reduces in, when it compresses."""
     from ddplab import comm_hooks
@@ -212,52 +200,6 @@ def _promise_id(runs: list[RunSpec], config: Configuration) -> str | None:
             if (spec.world_size, spec.k) == (config.shares, config.k) and not isinstance(config, Custom):
                 return spec.run_id
     return None
-
-
-def _unit(spec: RunSpec, dtype: torch.dtype) -> float:
-    """Unit roundoff of the dtype ``spec`` computes in (the model's ``dtype`` unless mixed precision)."""
-    return unit_roundoff(spec.param_dtype or spec.dtype or dtype)
-
-
-def _reference_records(caps: dict, runs: list[RunSpec], dtype: torch.dtype, done: dict[str, int]) -> StepRecords:
-    """The referee's distances of each single-process run in ``runs`` (not the truth, not a promise:
-    those are judged per configuration) from the truth, per step: of the steps from ``done[label]``
-    on (the ones an earlier pass judged are in already)."""
-    judged = [spec for spec in runs if spec.label != "truth" and spec.world_size == 1 and spec.k == 1]
-    if not judged:
-        return
-    truth = caps["truth"]
-    for step in common_steps(truth, *(caps[spec.run_id] for spec in judged)):
-        recs = []
-        for spec in judged:
-            if step < done.get(spec.label, 0):
-                continue
-            done[spec.label] = step + 1
-            cap = caps[spec.run_id][step]
-            for quantity in _referee.QUANTITIES:
-                key = quantity + "s"
-                recs += _referee.distance_records(step, quantity, truth[step][key], cap[key], cap[key],
-                                                  None, config=spec.label, band_label=spec.label,
-                                                  unit_roundoff=_unit(spec, dtype))
-        yield recs
-
-
-def _config_steps(config: Configuration, ranks: list, caps: dict, band: RunSpec, dtype: torch.dtype,
-                  seen: list[dict]) -> StepRecords:
-    """The referee's distances of every rank from the truth, the band run and the reference, per step
-    (also appended to ``seen``, which localization reads as the steps are judged)."""
-    truth, ref, matched = caps["truth"], caps["reference"], caps[band.run_id]
-    for step in common_steps(ranks[0], truth, ref, matched):
-        recs = []
-        others = {r: ranks[r][step] for r in range(1, config.world_size) if has_step(ranks[r], step)}
-        for quantity in _referee.QUANTITIES:
-            key = quantity + "s"
-            recs += _referee.distance_records(step, quantity, truth[step][key], matched[step][key],
-                                              ranks[0][step][key], ref[step][key], config=config.label,
-                                              others={r: cap[key] for r, cap in others.items()},
-                                              band_label=band.label, unit_roundoff=_unit(band, dtype))
-        seen += recs
-        yield recs
 
 
 def _reduction_steps(config: Configuration, ranks: list) -> StepRecords:
@@ -326,45 +268,6 @@ def own_evidence(setup: Setup, config: Configuration,
     if reads(config.world_size):
         return True  # the float64 promise ran in one process: not what the ranks promise
     return _replay.reduction_emulation(getattr(config, "comm_hook", None)) is None
-
-
-def _float64_precision(config: Configuration, first: list[dict]) -> torch.dtype | None:
-    """The lowest precision the float64 run still computed in: the configuration's own mixed
-    precision, its compression hook, the dtypes its modules returned and its reductions ran in
-    (``first``: its first step's captures; the tolerance holds for every step)."""
-    names = [str(d).replace("torch.", "") for d in config.dtypes() if d is not None]
-    if _compression(config):
-        names.append(_compression(config))
-    names += sorted(_recorded.reduction_dtypes(first))
-    for cap in first:
-        names += list(cap.get("forward_dtypes", []))
-    return _float64.lowest_precision(names)
-
-
-def _float64_records(setup: Setup, config: Configuration, run, caps: dict) -> StepRecords:
-    """The configuration's own code in float64 against the float64 truth (:mod:`ddplab.compare.float64_run`)."""
-    if not has_step(run, 0):
-        return
-    low = _float64_precision(config, [run[0]])
-    tolerance = _float64.precision_tolerance(low, config.world_size)
-    judged_at = str(low).replace("torch.", "") if low is not None else "float64"
-    yield from _float64.distance_records("float64", setup, (config.world_size, config.k, config.pieces), run, caps,
-                                         tolerance, config=config.label, judged_at=judged_at)
-
-
-def _detected_precision(config: Configuration, ranks: list[list[dict]], dtype: torch.dtype) -> tuple | None:
-    """``(param_dtype, reduce_dtype)`` below the model's that the run showed but did not declare: modules
-    that returned a lower precision (autocast), gradient reductions in a lower precision (a hook)."""
-    if config.dtypes() != (None, None) or not ranks or not ranks[0]:
-        return None
-    first = [ranks[0][0]]
-
-    def below(names):
-        low = _float64.lowest_precision(names)
-        return low if low is not None and unit_roundoff(low) > unit_roundoff(dtype) else None
-
-    shown = below(first[0].get("forward_dtypes", [])), below(_recorded.reduction_dtypes(first))
-    return shown if shown != (None, None) else None
 
 
 def _unavailable_record(config: Configuration, evidence: str, reason: str) -> dict:
@@ -509,47 +412,59 @@ class _Session:
                                   on_record=self.on_record if variant == "run" else None)
         streamed.start(run_id, launch, [run_id], after)
 
-    def _start_references(self, streamed: Pass, runs: list[RunSpec], key: str = "references") -> None:
-        """The reference runs ``runs`` beside the pass's configuration: those a small model's earlier
-        pass wrote whole (:attr:`keep_references`) are read again; the others train in one process
-        (launch ``key``), each record streamed once."""
+    def _start_references(self, streamed: Pass, runs: list[RunSpec], key: str = "references",
+                          judge: JudgeSpec | None = None) -> JudgedSteps | None:
+        """The reference runs ``runs`` beside the pass's configuration, each record streamed once.
+
+        A small model's (:attr:`keep_references`) are written whole, those an earlier pass wrote are
+        read again, and the parent judges against them (None is returned). A larger model's train in
+        one process (launch ``key``) that writes none of them and judges ``judge`` there, after each
+        step (:mod:`ddplab.compare.reference_judge`): the records it sends arrive in what is returned."""
         folder = os.path.join(self.root, "references") if self.keep_references else None
-        for spec in _written(runs):
-            streamed.add(spec.run_id, 1, reads_next="truth" if spec.label == "truth" else None, kept_in=folder,
-                         written=spec.run_id in self._whole)
+        if folder:
+            for spec in _written(runs):
+                streamed.add(spec.run_id, 1, reads_next="truth" if spec.label == "truth" else None, kept_in=folder,
+                             written=spec.run_id in self._whole)
         train = [spec for spec in runs if spec.run_id not in self._whole]
         if folder and any(spec.label == "truth" for spec in train):
             # A promise is judged beside the truth as they train: kept whole, the truth trains once,
             # so every configuration's promise trains with it now.
             train += [spec for spec in self.runs if spec.promise and spec not in train]
         if not train:
-            return
+            return None
         for spec in train if folder else ():   # what a stopped pass left of them is written anew
             shutil.rmtree(os.path.join(folder, spec.run_id), ignore_errors=True)
             os.makedirs(os.path.join(folder, spec.run_id))
+        judged = JudgedSteps() if folder is None and judge is not None else None
 
         def on_record(rec: dict) -> None:
-            if rec.get("metric", "").startswith("semantic_"):   # judged in the reference process
-                key = (rec["metric"], rec.get("step"), rec.get("quantity"), rec.get("param"))
+            metric = rec.get("metric", "")
+            if metric.startswith("semantic_"):   # the promise, judged in the reference process
+                key = (metric, rec.get("step"), rec.get("quantity"), rec.get("param"))
                 self._semantic.setdefault(rec["config"], {})[key] = rec
-                return
-            key = (rec.get("config"), rec.get("metric"), rec.get("step"), rec.get("rank"))
-            if key not in self._streamed:
-                self._streamed.add(key)
-                self.on_record(rec)
+            elif metric in STEP_METRICS:          # the reference runs' own losses and norms
+                key = (rec.get("config"), metric, rec.get("step"), rec.get("rank"))
+                if key not in self._streamed:
+                    self._streamed.add(key)
+                    self.on_record(rec)
+            elif judged is not None:              # what it judged of the pass
+                judged.put(rec)
 
         def after(outcome) -> None:
+            if judged is not None:
+                judged.end()
             if isinstance(outcome, BaseException) and not isinstance(outcome, _launcher.LaunchStopped):
                 streamed.stop(streamed.launches())   # without the references nothing of the pass can be judged
             elif folder is not None and not isinstance(outcome, BaseException):
                 self._whole.update(spec.run_id for spec in train)   # every step on disk, for a later pass
 
-        # Kept whole, they need not wait for the parent; otherwise they keep pace with it.
+        # Kept whole, they need not wait for the parent; judging, they wait for the pass's captures.
         launch = _launcher.Launch(reference_worker, world_size=1,
                                   args=(self.setup, train, streamed.steps, folder or streamed.root,
-                                        self.facts["digest"], None if folder else LAG),
+                                        self.facts["digest"], None, judge if judged is not None else None),
                                   timeout=self.timeout, on_record=on_record, threads_per_rank=1)
-        streamed.start(key, launch, [spec.run_id for spec in _written(train)], after)
+        streamed.start(key, launch, [spec.run_id for spec in _written(train)] if folder else [], after)
+        return judged
 
     @property
     def keep_references(self) -> bool:
@@ -562,13 +477,23 @@ class _Session:
     def _pass_references(self, config: Configuration, precision: tuple) -> tuple[list[RunSpec], RunSpec]:
         """The reference runs ``config`` is judged against: the truth, the reference, the one in its
         precision (declared, or shown by its first step: then added to :attr:`runs`) and its promise."""
-        if precision != (None, None) and not any(
-                (r.param_dtype, r.reduce_dtype) == precision and r.world_size == 1 and r.label != "truth"
-                for r in self.runs):
-            self.runs.append(precision_reference(*precision, run_id=f"ref{len(self.runs)}"))
-        band = _band_run(config, self.runs, precision)
+        band = band_reference(precision, self.runs)
+        if band not in self.runs:
+            self.runs.append(band)
         wanted = {"truth", "reference", band.run_id, _promise_id(self.runs, config)}
         return [spec for spec in self.runs if spec.run_id in wanted], band
+
+    def _against_references(self, streamed: Pass, judged: JudgedSteps | None, spec: JudgeSpec,
+                            runs: list[RunSpec]) -> StepRecords:
+        """What is judged against the reference runs ``runs``, a step at a time: the records the
+        reference process sends (``judged``), or, with the references on disk, the same judge asked here."""
+        if judged is not None:
+            return judged_there(judged, streamed.cut_at)
+        judge = ReferenceJudge(self.setup, dataclasses.replace(spec, done=self._judged), runs, streamed.steps)
+        refs = {run.run_id: streamed.captures(run.run_id, past_cut=True) for run in _written(runs)}
+        ranks = streamed.ranks(spec.run_id, past_cut=True) if spec.run_id is not None else None
+        float64 = streamed.captures(spec.float64_id) if spec.float64_id is not None else None
+        return judge_here(judge, refs, ranks, float64, streamed.cut_at)
 
     def _run_pass(self, index: int, config: Configuration, together: tuple) -> tuple[list[dict], dict, int | None]:
         """``config``'s run (with ``together``, its variants that run alongside) and its reference runs,
@@ -587,23 +512,24 @@ class _Session:
 
         try:
             runs, band = self._pass_references(config, config.dtypes())
-            self._start_references(streamed, runs)
+            # Undeclared, the band's precision is what the run's first step shows (autocast, a hook).
+            spec = JudgeSpec(config, streamed.root, run_id, variant_ids.get("float64"),
+                             band if config.dtypes() != (None, None) else None, self.facts["dtype"], dict(self._judged))
+            judged = self._start_references(streamed, runs, judge=spec)
             self._start_configuration(streamed, config, run_id, "run", after_run)
             for variant, variant_id in variant_ids.items():
                 self._start_configuration(streamed, config, variant_id, variant)
-            ranks = streamed.ranks(run_id)
-            # Undeclared, the band's precision is what the run's first step shows (autocast, a hook):
-            # its reference starts then, in a process of its own.
-            shown = (_detected_precision(config, [[ranks[0][0]]], self.facts["dtype"])
-                     if config.dtypes() == (None, None) and has_step(ranks[0], 0) else None)
-            if shown:
+            first = streamed.ranks(run_id)[0]
+            shown = (detected_precision(config, first[0], self.facts["dtype"])
+                     if spec.band is None and has_step(first, 0) else None)
+            if shown:   # the judge there trains it beside the truth; on disk, it trains in a process of its own
                 matched, band = self._pass_references(config, shown)
-                extra = [spec for spec in matched if spec not in runs]
-                if extra:
+                extra = [run for run in matched if run not in runs]
+                if extra and judged is None:
                     self._start_references(streamed, extra, "references-precision")
-                    runs += extra
-            caps = {spec.run_id: streamed.captures(spec.run_id) for spec in _written(runs)}
-            records, facts, own = self._judge(config, streamed, run_id, caps, band, runs, variant_ids)
+                runs += extra
+            against = self._against_references(streamed, judged, dataclasses.replace(spec, band=band), runs)
+            records, facts, own = self._judge(config, streamed, run_id, against, variant_ids)
         except BaseException:
             streamed.close()
             raise
@@ -643,30 +569,40 @@ class _Session:
         self.stopped = True
         return True
 
-    def _judge(self, config: Configuration, streamed: Pass, run_id: str, caps: dict, band: RunSpec,
-               runs: list[RunSpec], variant_ids: dict) -> tuple[list[dict], dict, dict]:
-        """Every source of ``config``'s evidence, a step at a time as the pass's runs write them."""
+    def _judge(self, config: Configuration, streamed: Pass, run_id: str, against: StepRecords,
+               variant_ids: dict) -> tuple[list[dict], dict, dict]:
+        """Every source of ``config``'s evidence, a step at a time as the pass's runs write them: what is
+        judged against the reference runs (``against``, first: the step's files stay until it has them),
+        then the sources that read the ranks alone."""
         ranks = streamed.ranks(run_id)
         batches = global_batches(self.setup, self.steps)
         dtype = self.facts["dtype"]
         reads = self.reads_process_group(config.world_size)
         # From the first NaN or Inf on nothing is judged: the verdict rests on the steps before it.
-        finite = _finite.nonfinite_steps(streamed.ranks(run_id, past_cut=True),
-                                         streamed.captures("reference", past_cut=True), streamed.cut_at)
-        seen: list[dict] = []
-        own = {variant: self._own_source(config, streamed, variant, variant_id, caps)
-               for variant, variant_id in variant_ids.items()}
-        found, recs, references, reductions, collectives, mesh, replayed, located, *mine = in_step(
-            finite, _config_steps(config, ranks, caps, band, dtype, seen),
-            _reference_records(caps, runs, dtype, self._judged), _reduction_steps(config, ranks),
+        finite = _finite.nonfinite_steps(streamed.ranks(run_id, past_cut=True), streamed.cut_at)
+        twin = {variant: self._twin_source(config, streamed, variant_id)
+                for variant, variant_id in variant_ids.items() if variant == "twin"}
+        references, found, reductions, collectives, mesh, replayed, *mine = in_step(
+            against, finite, _reduction_steps(config, ranks),
             _recorded.collective_records(config, ranks, dtype), _mesh_evidence.mesh_records(config, ranks, dtype),
-            _replay.replay_records(self.setup, config, ranks, batches),
-            _localization.localize_steps(self.setup, config, caps, ranks, seen), *own.values(),
-            judged=streamed.judged)
-        records = [dict(r, config=config.label) for r in found] + recs + references
+            _replay.replay_records(self.setup, config, ranks, batches), *twin.values(), judged=streamed.judged)
+        own = dict(zip(twin, mine))
+        references, own["float64"] = self._note_judged(references)
+        records = [dict(r, config=config.label) for r in found] + references
         records += _data.sample_records(self.setup, config, batches)
-        records += reductions + collectives + mesh + replayed + located
-        return records, dict(reads_process_group=reads or None), dict(zip(own, mine))
+        records += reductions + collectives + mesh + replayed
+        return records, dict(reads_process_group=reads or None), own
+
+    def _note_judged(self, records: list[dict]) -> tuple[list[dict], list[dict]]:
+        """``records`` judged against the reference runs, less the float64 run's (returned apart: its
+        launch may have failed); the reference runs' own distances judged so far are noted, so that a
+        later pass does not judge them again."""
+        own = {spec.label for spec in self.runs if spec.label != "truth" and not spec.promise}
+        for rec in records:
+            if rec.get("config") in own and rec.get("step") is not None:
+                self._judged[rec["config"]] = max(self._judged.get(rec["config"], 0), rec["step"] + 1)
+        float64 = [rec for rec in records if rec["metric"].startswith("float64_")]
+        return [rec for rec in records if not rec["metric"].startswith("float64_")], float64
 
     def _semantic_records(self, config: Configuration, steps: int) -> list[dict]:
         """The semantic question's records of ``config``'s steps before ``steps``: its float64 promise
@@ -681,10 +617,8 @@ class _Session:
         return [dict(rec, config=config.label) for rec in self._semantic.get(spec.label, {}).values()
                 if rec["step"] < steps]
 
-    def _own_source(self, config: Configuration, streamed: Pass, variant: str, run_id: str, caps: dict) -> StepRecords:
-        if variant == "twin":
-            return _twin.twin_records(config.label, streamed.ranks(run_id), getattr(config, "twin_partner", None))
-        return _float64_records(self.setup, config, streamed.captures(run_id), caps)
+    def _twin_source(self, config: Configuration, streamed: Pass, run_id: str) -> StepRecords:
+        return _twin.twin_records(config.label, streamed.ranks(run_id), getattr(config, "twin_partner", None))
 
     def _own_records(self, config: Configuration, streamed: Pass, variant_ids: dict, own: dict) -> list[dict]:
         """The twin's and the float64 run's records, or why each is unavailable (its launch failed)."""
@@ -710,12 +644,14 @@ class _Session:
             for variant, variant_id in variant_ids.items():
                 streamed.add(variant_id, config.world_size)
                 self._start_configuration(streamed, config, variant_id, variant)
-            truth = [spec for spec in self.runs if spec.label == "truth"] if "float64" in variants else []
-            if truth:
-                self._start_references(streamed, truth)
-            caps = {spec.run_id: streamed.captures(spec.run_id) for spec in truth}
-            own = dict(zip(variant_ids, in_step(*(self._own_source(config, streamed, v, i, caps)
-                                                  for v, i in variant_ids.items()), judged=streamed.judged)))
+            sources = {variant: self._twin_source(config, streamed, variant_id)
+                       for variant, variant_id in variant_ids.items() if variant == "twin"}
+            if "float64" in variant_ids:   # judged against the truth, which trains beside it
+                truth = [spec for spec in self.runs if spec.label == "truth"]
+                spec = JudgeSpec(config, streamed.root, None, variant_ids["float64"], None, self.facts["dtype"])
+                judged = self._start_references(streamed, truth, judge=spec)
+                sources["float64"] = self._against_references(streamed, judged, spec, truth)
+            own = dict(zip(sources, in_step(*sources.values(), judged=streamed.judged)))
         except BaseException:
             streamed.close()
             raise
@@ -773,7 +709,7 @@ class _Session:
             if _unavailable(config) is None:
                 own = bool(own_evidence(self.setup, config, self.reads_process_group))
                 shapes.append((config.world_size, own, own))
-        return _footprint.footprint(sizes, shapes, alongside=self.alongside)
+        return _footprint.footprint(sizes, shapes, alongside=self.alongside, references_on_disk=self.keep_references)
 
 
 def _written(runs: list[RunSpec]) -> list[RunSpec]:

@@ -36,24 +36,24 @@ def nonfinite_at(capture: dict) -> dict | None:
     return None
 
 
-def nonfinite_steps(config_ranks: list, reference, cut: Callable[[int], None]) -> StepRecords:
-    """A step at a time: where each rank of the configuration and the reference first hold a NaN or
-    Inf (a ``nonfinite`` record each), and ``cut(step)`` at the first such step of any of them, so
-    that no other source judges it or a step after it. Reads ``config_ranks`` (``[r][step]``) and
-    ``reference`` past that cut, to say where each of them turns non-finite."""
-    runs = [("configuration", r, caps) for r, caps in enumerate(config_ranks)] + [("reference", 0, reference)]
+def nonfinite_steps(config_ranks: list, cut: Callable[[int], None]) -> StepRecords:
+    """A step at a time: where each rank of the configuration first holds a NaN or Inf (a ``nonfinite``
+    record each), and ``cut(step)`` at the first such step of any of them, so that no other source
+    judges it or a step after it. Reads ``config_ranks`` (``[r][step]``) past that cut, to say where each
+    rank turns non-finite. (The reference's first such step is found where it trains:
+    :mod:`ddplab.compare.reference_judge`.)"""
     found: set = set()
     step, cut_at = 0, None
     while True:
-        looked = [(run, r, caps) for run, r, caps in runs if (run, r) not in found and has_step(caps, step)]
+        looked = [(r, caps) for r, caps in enumerate(config_ranks) if r not in found and has_step(caps, step)]
         if not looked:
             return
         out = []
-        for run, r, caps in looked:
+        for r, caps in looked:
             bad = nonfinite_at(caps[step])
             if bad is not None:
-                found.add((run, r))
-                out.append(nonfinite_records(dict(bad, step=step), rank=r, run=run))
+                found.add(r)
+                out.append(nonfinite_records(dict(bad, step=step), rank=r, run="configuration"))
         if out and cut_at is None:
             cut_at = step
             cut(step)

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from ddplab.compare.captures import StepRecords, common_steps
+from ddplab.compare.captures import RecentSteps, StepRecords, common_steps
 from ddplab.compare.referee import squared_difference
 from ddplab.compare.setup import Setup
 from ddplab.numerics import unit_roundoff
@@ -135,27 +135,6 @@ def _difference(name: str, setup: Setup, shape: tuple[int, int, int], run, caps:
                   missing=",".join(map(str, fit["missing"])), residual=fit["residual"], **labels)
 
 
-class _Recent:
-    """The last two steps of a run that trains in this process, as the sequence the sources walk
-    (:func:`ddplab.compare.captures.common_steps`): the fit at a step reads the truth's step before."""
-
-    def __init__(self, steps: int):
-        self.steps, self._items = steps, {}
-
-    def put(self, step: int, capture: dict) -> None:
-        self._items[step] = capture
-        self._items.pop(step - 2, None)
-
-    def has(self, step: int) -> bool:
-        return step in self._items
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __getitem__(self, step: int) -> dict:
-        return self._items[step]
-
-
 class PromiseJudge:
     """The semantic question, asked where the float64 promise and the float64 truth both train (the
     reference process): after each step, ``judge(step, truth, promise)`` (the two runs' captures of it)
@@ -164,7 +143,7 @@ class PromiseJudge:
     promise's run label; the parent gives them to each configuration that promises it."""
 
     def __init__(self, setup: Setup, label: str, world_size: int, k: int, steps: int):
-        self.truth, self.promise = _Recent(steps), _Recent(steps)
+        self.truth, self.promise = RecentSteps(steps), RecentSteps(steps)
         self._records = distance_records("semantic", setup, (world_size, k, world_size * k), self.promise,
                                          {"truth": self.truth}, SEMANTIC_TOLERANCE, config=label)
 

@@ -17,8 +17,10 @@ and its float64 run; or those in a second pass, beside the truth). Its step is w
 captures at one step.
 
 * **scratch**: a step of the largest pass -- the parent deletes a step's files once it holds them,
-  while its runs write the next one -- whatever the number of steps;
-* **parent**: the analysis holds, while it judges a step, that step's captures of every run of the pass;
+  while its runs write the next one -- whatever the number of steps. A large model's reference runs
+  write nothing: they judge where they train (:mod:`ddplab.compare.reference_judge`);
+* **parent**: the analysis holds, while it judges a step, that step's captures of every run of the
+  pass that writes them;
 * **ranks**: every rank of a pass builds its step's capture in memory before writing it.
 """
 from __future__ import annotations
@@ -65,18 +67,21 @@ class Footprint:
 
 
 def footprint(capture_bytes: dict[str, int], configs: list[tuple[int, bool, bool]], *,
-              alongside: bool) -> Footprint:
+              alongside: bool, references_on_disk: bool = False) -> Footprint:
     """The lower bounds, whatever the number of steps. ``capture_bytes``: each reference run's step capture, by
     label (``"reference"``, the model's dtype, and ``"truth"``, float64, among them); ``configs``: per
     configuration ``(world_size, twin, float64)``, whether it runs its twin and its float64 run;
-    ``alongside``: whether those start together with the run (one pass) or after it (a second pass)."""
+    ``alongside``: whether those start together with the run (one pass) or after it (a second pass);
+    ``references_on_disk``: whether the reference runs write their captures for the parent to judge
+    (a small model's, kept for every configuration) or judge where they train and write none."""
     rank, wide = capture_bytes["reference"], capture_bytes["truth"]
+    references = (wide + rank) if references_on_disk else 0
     scratch = parent = ranks = 0
     for world, twin, float64 in configs:
         own = rank * twin + wide * float64          # the twin's and the float64 run's rank 0
-        passes = [rank + wide + rank + (own if alongside else 0)]
+        passes = [rank + references + (own if alongside else 0)]
         if not alongside and (twin or float64):
-            passes.append(own + wide * float64)
+            passes.append(own + (wide if references_on_disk else 0) * float64)
         parent = max(parent, *passes)
         scratch = max(scratch, max(passes))
         launches = [rank] + [rank] * twin + [wide] * float64

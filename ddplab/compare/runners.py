@@ -60,7 +60,7 @@ from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_bat
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
            "capture_path", "captured_files", "reference_worker", "train_references", "DIFFERENT_MODEL", "VARIANTS",
            "collective_state", "collective_record", "precision_reference", "TRAINERS", "register_trainer",
-           "configuration_worker", "reference_runs"]
+           "configuration_worker", "reference_runs", "STEP_METRICS"]
 
 
 # --------------------------------------------------------------------------- where captures live
@@ -185,6 +185,8 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     return dict(state=state, param_groups=copy.deepcopy(sd["param_groups"]))
 
 
+#: The records every run emits after each step (:meth:`Capture.finish`), beside its capture.
+STEP_METRICS = ("loss", "grad_norm", "optimizer_steps")
 #: The longest a rank waits for rank 0's capture of the same step to write what they share once, in seconds.
 SAME_AS_WAIT = 30.0
 
@@ -508,13 +510,15 @@ def _reference_loss(model, named: list, setup: Setup, spec: RunSpec, batch: tupl
     return setup.loss(out, inputs[-1])
 
 
-def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, lag: int | None) -> Iterator[dict]:
-    """Train ``spec`` a step at a time: each ``next()`` trains and captures one step, and returns its capture."""
+def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, lag: int | None,
+                     write: bool = True) -> Iterator[dict]:
+    """Train ``spec`` a step at a time: each ``next()`` trains and captures one step, and returns its
+    capture (written under ``root`` when ``write``, except a promise's)."""
     model = setup.build_model(spec.dtype)
     named = named_trainable(model)
     optimizer = setup.optimizer(model.parameters())
     capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0, lag=lag,
-                      write=not spec.promise)
+                      write=write and not spec.promise)
     if spec.reduce_dtype is not None:
         master = named[0][1].dtype
         for _, p in named:  # the gradient as a reduction in reduce_dtype would leave it
@@ -542,34 +546,52 @@ DIFFERENT_MODEL = ("setup.model() builds different initial weights in another pr
                    "not from the process or the clock")
 
 
-def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, lag: int | None = None) -> None:
-    """Every reference run in this process, a step of each in turn: each writes its captures under
-    ``root`` (``lag``: and waits for the parent after each, :mod:`ddplab.compare.streaming`), except
-    a float64 promise: it is judged against the truth here, after each step
-    (:class:`ddplab.compare.float64_run.PromiseJudge`), and only its records leave the process."""
+def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, lag: int | None = None,
+                     judge=None) -> None:
+    """Every reference run in this process, a step of each in turn. Without ``judge`` each writes its
+    captures under ``root`` (``lag``: and waits for the parent after each, :mod:`ddplab.compare.streaming`).
+    With ``judge`` (a :class:`ddplab.compare.reference_judge.JudgeSpec`) none is written: after each step
+    the configuration's captures of it are judged against them here, and only the records leave the
+    process. A float64 promise is never written either: it is judged against the truth here, after each
+    step (:class:`ddplab.compare.float64_run.PromiseJudge`)."""
     from ddplab.compare.float64_run import PromiseJudge
+    from ddplab.compare.reference_judge import judge_where_trained
 
     batches = global_batches(setup, steps)
     truth = next((spec for spec in runs if spec.label == "truth"), None)
     judges = {spec.run_id: PromiseJudge(setup, spec.label, spec.world_size, spec.k, len(batches))
               for spec in runs if spec.promise and truth is not None}
+    ask = judge_where_trained(setup, judge, runs, len(batches)) if judge is not None else None
     with eager():  # one process's rounding, which compiling would not change in size
-        trainers = {spec.run_id: _reference_steps(setup, spec, batches, root, lag) for spec in runs}
+        trainers = {spec.run_id: _reference_steps(setup, spec, batches, root, lag, write=judge is None)
+                    for spec in runs}
         for step in range(len(batches)):
             captured = {run_id: next(trainer) for run_id, trainer in trainers.items()}
-            for run_id, judge in judges.items():
-                for rec in judge(step, captured[truth.run_id], captured[run_id]):
+            for run_id, promise in judges.items():
+                for rec in promise(step, captured[truth.run_id], captured[run_id]):
                     _records.send(rec)
+            if ask is None:
+                continue
+
+            def train(spec: RunSpec, step: int = step) -> dict:
+                """A reference the judge asks for now (the precision a run showed): trained up to ``step``."""
+                trainers[spec.run_id] = trainer = _reference_steps(setup, spec, batches, root, lag, write=False)
+                for _ in range(step + 1):
+                    capture = next(trainer)
+                return capture
+
+            for rec in ask(step, captured, train):
+                _records.send(rec)
 
 
 def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str,
-                     lag: int | None = None) -> None:
+                     lag: int | None = None, judge=None) -> None:
     """Rank 0 of a 1-rank launch: :func:`train_references`, in a process that first checks it builds
     the model whose weights have ``digest`` (a model seeded from the process, its pid or the clock,
     would start every rank elsewhere)."""
     if model_digest(setup.build_model()) != digest:
         raise SetupError(DIFFERENT_MODEL)
-    train_references(setup, runs, steps, root, lag)
+    train_references(setup, runs, steps, root, lag, judge)
 
 
 # --------------------------------------------------------------------------- the configurations

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from ddplab.compare.captures import CaptureCache, Captures
 
-__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "judged_path", "LiveRun", "LiveCaptures",
+__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "ended", "judged_path", "LiveRun", "LiveCaptures",
            "Pass", "ScratchFull", "disk_full"]
 
 #: Steps a rank may run ahead of the last step the parent judged: one, so that a rank trains the
@@ -40,6 +40,8 @@ _POLL = 0.02
 #: What the sources read of a step once it is judged, by run: the next step's replay starts from
 #: a configuration's parameters and optimizer state; localization, from the truth's parameters.
 NEXT_STEP_READS = {"configuration": ("params", "optimizer"), "truth": ("params",)}
+#: The file that says a run's launch ended, for the processes that wait for its steps.
+_ENDED = "ended"
 #: The judged step that lets a rank run to its end: nothing judges its steps any more.
 _NEVER_WAIT = 2**62
 
@@ -96,6 +98,12 @@ def released(root: str, run_id: str) -> bool:
     return _read_judged(judged_path(root, run_id)) >= _NEVER_WAIT
 
 
+def ended(root: str, run_id: str) -> bool:
+    """Will no step of ``run_id`` come any more? Its launch ended (:meth:`LiveRun.end`), or the parent
+    released it (it deletes what its ranks write from then on)."""
+    return os.path.exists(os.path.join(root, run_id, _ENDED)) or released(root, run_id)
+
+
 def wait_for_parent(root: str, run_id: str, step: int, lag: int = LAG) -> None:
     """In a rank, after writing ``step``: wait until the parent judged step ``step - lag``. The launch's
     own timeout and stop still end the rank; the parent moves the deadline by the time it judged."""
@@ -117,6 +125,13 @@ class LiveRun:
         self.waited = 0.0       # seconds the parent spent waiting for this run's files
         self._read: dict[int, set[int]] = {}   # step -> the ranks whose capture of it the parent holds
         os.makedirs(os.path.join(root, run_id), exist_ok=True)
+
+    def end(self) -> None:
+        """Its launch ended: no step will come. Said on disk too, for a reference process that judges
+        its steps (:func:`ended`); raises the OSError of a disk too full to say it."""
+        self.ended.set()
+        with open(os.path.join(self.root, self.run_id, _ENDED), "w"):
+            pass
 
     def path(self, step: int, rank: int) -> str:
         from ddplab.compare.runners import capture_path
@@ -266,7 +281,11 @@ class Pass:
                 outcome = exc
             self.outcomes[key] = outcome
             for run_id in run_ids:
-                self.runs[run_id].ended.set()
+                try:
+                    self.runs[run_id].end()
+                except OSError as exc:   # a judge waiting for its steps would never learn: stop them all
+                    if disk_full(exc):
+                        self._filled(exc, f" when {run_id} ended")
             if after is not None:
                 after(outcome)
 

@@ -140,9 +140,11 @@ def unavailable(setup: Setup, config: Configuration) -> str | None:
 def compare_bits(live: torch.Tensor, replay: torch.Tensor) -> dict:
     """Elements whose bits differ, the largest ulp distance and the largest relative difference."""
     from ddplab.numerics import ulp_distance
-    from ddplab.numerics.accuracy import same_bits
+    from ddplab.numerics.accuracy import identical, same_bits
 
     live, replay = live.reshape(-1), replay.reshape(-1).to(live.dtype)
+    if identical(live, replay):   # the common case, in one pass over the bytes
+        return dict(differing=0, max_ulp=0.0, max_relative=0.0, first=-1)
     same = same_bits(live, replay)
     differing = int((~same).sum())
     if not differing:
@@ -251,12 +253,13 @@ def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: l
 
 
 def _reduced_grads(cap: dict, like: dict) -> dict:
-    """The gradients the rank's reduced buckets give (DDP copies each bucket back), zero elsewhere."""
-    grads = {n: torch.zeros_like(p) for n, p in like.items()}
+    """The gradients the rank's reduced buckets give (DDP copies each bucket back), zero elsewhere:
+    fresh tensors, for a model to own."""
+    grads = {}
     for bucket in cap["buckets"]:
-        for name, start, stop in _bucket_params(bucket, grads):
-            grads[name] = bucket["result"][start:stop].view_as(grads[name]).clone()
-    return grads
+        for name, start, stop in _bucket_params(bucket, like):
+            grads[name] = bucket["result"][start:stop].view_as(like[name]).clone()
+    return {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in like.items()}
 
 
 def _local_fsdp(setup: Setup, config: FSDP2, model: torch.nn.Module, micro: list, cap: dict, rank: int):
@@ -361,7 +364,7 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, before, optim_b
             # the gradients, then the setup's before_step (clipping) runs.
             grads = _reduced_grads(_with_round(cap, -1), dict(named))
             for name, p in named:
-                p.grad = grads[name].clone()
+                p.grad = grads.pop(name)
             apply_before_step(setup, model)
             for name, p in named:
                 if name in cap["grads"]:
@@ -380,8 +383,14 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, before, optim_b
                 optimizer.load_state_dict(optim_before)
             for group, hyper in zip(optimizer.param_groups, promised):
                 group.update(hyper)
-            for name, p in named:
-                p.grad = cap["grads"][name].clone() if name in cap["grads"] else None
+            for name, p in named:   # into the gradient the model holds: one model size, not two
+                live = cap["grads"].get(name)
+                if live is None:
+                    p.grad = None
+                elif p.grad is not None and p.grad.shape == live.shape and p.grad.dtype == live.dtype:
+                    p.grad.copy_(live)
+                else:
+                    p.grad = live.clone()
             optimizer.step()
     mine = _sharded.owned(cap.get("optimizer"))  # a sharded optimizer updates the rank's own shard
     for name, p in named:
@@ -412,7 +421,7 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
         return
     em = _Emitter(config)
     emulation = reduction_emulation(getattr(config, "comm_hook", None)) if not isinstance(config, FSDP2) else None
-    initial = {n: p.detach().clone() for n, p in named_trainable(setup.build_model())}
+    initial = {n: p.detach() for n, p in named_trainable(setup.build_model())}   # where step 0 starts
     modules_seen: list[str] = []
     compiled = _compiled.compiles(setup, config)
     if compiled:
@@ -421,6 +430,7 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
     try:
         for step in common_steps(*ranks):
             _replay_step(em, setup, config, ranks, batches, step, initial, modules_seen, emulation)
+            initial = None   # every later step starts from the one before: a model size less held
             mine, em.out = em.out, []   # one step's records at a time
             yield _compiled.unverified_local(mine) if compiled else mine
     finally:

@@ -9,12 +9,14 @@ any configuration starts), states what the comparison needs of the machine
 :class:`ddplab.launcher.Launch`), the reference runs it is judged against
 in one process beside them and, where it needs them, its symmetric twin and
 its float64 run (alongside for a small model, in a second pass otherwise).
-The parent judges every step as the runs write it -- the referee's distances
-from the float64 truth (:mod:`ddplab.compare.referee`), the audits, the
-replay, the twin, float64 -- localizes the first divergence there
-(:mod:`ddplab.compare.localization`) and deletes what no source reads again:
-the scratch folder and the parent's memory hold a few steps, whatever the
-number of steps. It returns a :class:`Comparison`: the tidy records, one
+Every step is judged as the runs write it: what is measured against the
+reference runs -- the referee's distances from the float64 truth
+(:mod:`ddplab.compare.referee`), the localization of the first divergence
+(:mod:`ddplab.compare.localization`), the float64 run -- where they train
+(:mod:`ddplab.compare.reference_judge`), and in the parent what the ranks
+show alone -- the audits, the recorded collectives, the replay, the twin.
+What no source reads again is deleted: the scratch folder and the parent's
+memory hold a few steps, whatever the number of steps. It returns a :class:`Comparison`: the tidy records, one
 verdict per configuration, the errors of the configurations that crashed or
 hung.
 
@@ -461,7 +463,7 @@ class _Session:
         # Kept whole, they need not wait for the parent; judging, they wait for the pass's captures.
         launch = _launcher.Launch(reference_worker, world_size=1,
                                   args=(self.setup, train, streamed.steps, folder or streamed.root,
-                                        self.facts["digest"], None, judge if judged is not None else None),
+                                        self.facts["digest"], judge if judged is not None else None),
                                   timeout=self.timeout, on_record=on_record, threads_per_rank=1)
         streamed.start(key, launch, [spec.run_id for spec in _written(train)] if folder else [], after)
         return judged

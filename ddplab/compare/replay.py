@@ -235,6 +235,7 @@ def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: l
     with (_stand_in.process_group(rank, config.world_size) if _compiled.compile_options(config) is not None
           else contextlib.nullcontext()):
         ran = _compiled.as_ranks_ran(model, config)
+        own = (lambda t: t.detach()) if ran is model else (lambda t: t.detach().clone())
         torch.set_rng_state(cap["rng"])
         for m, piece in enumerate(micro):
             if every and m:  # DDP left the reduced gradient of the micro-batch before in .grad
@@ -246,8 +247,9 @@ def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: l
                 loss = loss / k
             loss.backward()
             if every or m == k - 1:
-                rounds.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-                               for n, p in named})
+                # The model's own gradients: a later micro-batch starts from new tensors, and nothing else
+                # writes them -- unless a wrap runs the passes (compiled DDP may keep them in its buckets).
+                rounds.append({n: own(p.grad) if p.grad is not None else torch.zeros_like(p) for n, p in named})
     digests.remove()
     return rounds, digests.calls
 

@@ -510,14 +510,13 @@ def _reference_loss(model, named: list, setup: Setup, spec: RunSpec, batch: tupl
     return setup.loss(out, inputs[-1])
 
 
-def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, lag: int | None,
-                     write: bool = True) -> Iterator[dict]:
+def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, write: bool = True) -> Iterator[dict]:
     """Train ``spec`` a step at a time: each ``next()`` trains and captures one step, and returns its
     capture (written under ``root`` when ``write``, except a promise's)."""
     model = setup.build_model(spec.dtype)
     named = named_trainable(model)
     optimizer = setup.optimizer(model.parameters())
-    capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0, lag=lag,
+    capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0,
                       write=write and not spec.promise)
     if spec.reduce_dtype is not None:
         master = named[0][1].dtype
@@ -546,11 +545,9 @@ DIFFERENT_MODEL = ("setup.model() builds different initial weights in another pr
                    "not from the process or the clock")
 
 
-def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, lag: int | None = None,
-                     judge=None) -> None:
-    """Every reference run in this process, a step of each in turn. Without ``judge`` each writes its
-    captures under ``root`` (``lag``: and waits for the parent after each, :mod:`ddplab.compare.streaming`).
-    With ``judge`` (a :class:`ddplab.compare.reference_judge.JudgeSpec`) none is written: after each step
+def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, judge=None) -> None:
+    """Every reference run in this process, a step of each in turn, never waiting for the parent.
+    Without ``judge`` each writes its captures under ``root``, for the parent to judge. With ``judge`` (a :class:`ddplab.compare.reference_judge.JudgeSpec`) none is written: after each step
     the configuration's captures of it are judged against them here, and only the records leave the
     process. A float64 promise is never written either: it is judged against the truth here, after each
     step (:class:`ddplab.compare.float64_run.PromiseJudge`)."""
@@ -563,7 +560,7 @@ def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, l
               for spec in runs if spec.promise and truth is not None}
     ask = judge_where_trained(setup, judge, runs, len(batches)) if judge is not None else None
     with eager():  # one process's rounding, which compiling would not change in size
-        trainers = {spec.run_id: _reference_steps(setup, spec, batches, root, lag, write=judge is None)
+        trainers = {spec.run_id: _reference_steps(setup, spec, batches, root, write=judge is None)
                     for spec in runs}
         for step in range(len(batches)):
             captured = {run_id: next(trainer) for run_id, trainer in trainers.items()}
@@ -575,7 +572,7 @@ def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, l
 
             def train(spec: RunSpec, step: int = step) -> dict:
                 """A reference the judge asks for now (the precision a run showed): trained up to ``step``."""
-                trainers[spec.run_id] = trainer = _reference_steps(setup, spec, batches, root, lag, write=False)
+                trainers[spec.run_id] = trainer = _reference_steps(setup, spec, batches, root, write=False)
                 for _ in range(step + 1):
                     capture = next(trainer)
                 return capture
@@ -585,13 +582,13 @@ def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, l
 
 
 def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str,
-                     lag: int | None = None, judge=None) -> None:
+                     judge=None) -> None:
     """Rank 0 of a 1-rank launch: :func:`train_references`, in a process that first checks it builds
     the model whose weights have ``digest`` (a model seeded from the process, its pid or the clock,
     would start every rank elsewhere)."""
     if model_digest(setup.build_model()) != digest:
         raise SetupError(DIFFERENT_MODEL)
-    train_references(setup, runs, steps, root, lag, judge)
+    train_references(setup, runs, steps, root, judge)
 
 
 # --------------------------------------------------------------------------- the configurations

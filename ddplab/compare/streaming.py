@@ -1,7 +1,9 @@
 """A comparison's runs judged while they train, their captures deleted once judged.
 
-Every run of a *pass* (a configuration's run, the reference runs that train beside it, its twin
-and its float64 run) writes one capture per step and rank. After writing step ``s`` a rank waits
+Every run of a *pass* (a configuration's run, its twin and its float64 run) writes one capture
+per step and rank; the reference runs that train beside them write none: they judge each step where
+they train, once its captures are written (:mod:`ddplab.compare.reference_judge`), and the parent
+deletes a step's files only after that. After writing step ``s`` a rank waits
 (:func:`wait_for_parent`) until the parent has judged step ``s - LAG``; the parent judges a step of
 every run of the pass together (:func:`ddplab.compare.captures.in_step`), then marks it judged and
 forgets it (:meth:`Pass.judged`); what the next step reads of it stays in the parent's memory
@@ -9,8 +11,9 @@ forgets it (:meth:`Pass.judged`); what the next step reads of it stays in the pa
 files are deleted as soon as the parent holds every rank's (:meth:`LiveRun.read`), at the latest
 when it is judged: a run's captures on disk are then at most ``LAG + 1`` steps, about one while a
 step is judged, whatever the number of steps. A run *kept* in a folder of its own
-(:meth:`Pass.add`: a small model's reference runs, read again by later passes) neither waits nor
-is deleted.
+(:meth:`Pass.add`: a small model's reference runs, judged by the parent and read again by later
+passes) neither waits nor is deleted. A launch that ended says so on disk too (:func:`ended`), for
+the reference process waiting for its steps.
 
 :class:`LiveCaptures` is one rank's steps of a run that may still be training: asking for a step
 waits until its file exists or the run has ended. Sources walk steps with

@@ -202,7 +202,8 @@ class ReferenceJudge:
     def step(self, step: int, refs: dict, read_ranks: Callable[[], list | None],
              read_float64: Callable[[], dict | None], train: Callable[[RunSpec], dict] | None = None) -> list[dict]:
         """The records of ``step``: ``refs`` holds each reference run's capture of it (by run id);
-        ``read_ranks()`` the configuration's ranks' (None: the run ended without it), ``read_float64()``
+        ``read_ranks()`` the configuration's ranks' (None: rank 0 never wrote it; None in place of another
+        rank that never did: judged without it, as rank 0 is what is measured), ``read_float64()``
         its float64 run's rank 0 (None likewise). ``train(spec)``: train the reference ``spec`` to this
         step and return its capture, for a band in the precision the run's first step shows."""
         out: list[dict] = []
@@ -222,7 +223,7 @@ class ReferenceJudge:
         float64 = read_float64() if self._float64 is not None else None
         if ranks is None or (not self._ranks and float64 is None):
             return out + self.finish()
-        if not self._reference_finite or any(nonfinite_at(cap) is not None for cap in ranks):
+        if not self._reference_finite or any(nonfinite_at(cap) is not None for cap in ranks if cap is not None):
             self.cut = step
             out += self.finish()
             self.done = not self._reference_finite or reference is None
@@ -232,7 +233,8 @@ class ReferenceJudge:
         for run_id, window in self._caps.items():
             window.put(step, refs[run_id])
         for window, cap in zip(self._ranks, ranks):
-            window.put(step, cap)
+            if cap is not None:   # a rank a crash or a stop left without the step is judged without it
+                window.put(step, cap)
         if float64 is not None:
             self._float64.put(step, float64)
         return out + self._advance()
@@ -289,20 +291,21 @@ def _wait_for(path: str, ended: Callable[[], bool]) -> bool:
 
 def read_step(root: str, run_id: str, world_size: int, step: int) -> list[dict] | None:
     """Every rank's capture of ``step`` of ``run_id`` under ``root``, memory-mapped, each rank's references
-    to rank 0's tensors resolved; waits until they are written. None: the run ended without them (its
-    launch ended, or the parent released it: :func:`ddplab.compare.streaming.released`)."""
+    to rank 0's tensors resolved; waits until they are written or the run ended (its launch ended, or
+    the parent released it: :func:`ddplab.compare.streaming.released`). None: rank 0's never came;
+    None in place of another rank's that never came."""
     from ddplab.compare.streaming import ended
 
-    caps: list[dict] = []
+    caps: list[dict | None] = []
     for rank in range(world_size):
         path = capture_path(root, run_id, step, rank)
-        if not _wait_for(path, lambda: ended(root, run_id)):
-            return None
         try:
-            cap = read_capture(path)
+            cap = read_capture(path) if _wait_for(path, lambda: ended(root, run_id)) else None
         except FileNotFoundError:   # released meanwhile: the parent deletes what nobody judges
+            cap = None
+        if cap is None and rank == 0:
             return None
-        caps.append(cap if rank == 0 else resolve_same_as(cap, lambda: caps[0]))
+        caps.append(cap if rank == 0 or cap is None else resolve_same_as(cap, lambda: caps[0]))
     return caps
 
 
@@ -396,7 +399,7 @@ def judge_here(judge: ReferenceJudge, refs: dict, ranks: list | None, float64, c
             return
 
         def read_ranks(step=step):
-            return [r[step] for r in ranks] if all(has_step(r, step) for r in ranks) else None
+            return [r[step] if has_step(r, step) else None for r in ranks] if has_step(ranks[0], step) else None
 
         def read_float64(step=step):
             return float64[step] if float64 is not None and has_step(float64, step) else None

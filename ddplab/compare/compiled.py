@@ -75,7 +75,7 @@ def compile_options(config) -> dict | None:
 
 def compiles(setup, config) -> bool:
     """Whether ``config``'s ranks run a compiled model (compiled by the setup or by the configuration)."""
-    return compile_options(config) is not None or is_compiled(setup.build_model())
+    return compile_options(config) is not None or setup.inspect(is_compiled)
 
 
 def compile_wrapped(wrapped: torch.nn.Module, config) -> torch.nn.Module:

@@ -110,8 +110,8 @@ def reduction_emulation(hook: Callable | None) -> Callable[[torch.Tensor], torch
     return known.get(hook)
 
 
-def _collective_modules(setup: Setup) -> list[str]:
-    model = setup.build_model()
+def _collective_modules(model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` that issue collectives in forward (SyncBatchNorm, or marked so)."""
     return [name or "(model)" for name, m in model.named_modules()
             if isinstance(m, torch.nn.SyncBatchNorm) or getattr(m, "collective_in_forward", False)]
 
@@ -121,7 +121,7 @@ def unavailable(setup: Setup, config: Configuration) -> str | None:
     if isinstance(config, Custom):
         return ("a Custom step may issue its own collectives and ddplab does not know what it "
                 "promises")
-    collective = _collective_modules(setup)
+    collective = setup.inspect(_collective_modules)
     if getattr(config, "sync_batchnorm", False):
         collective = collective or ["BatchNorm layers (as SyncBatchNorm)"]
     if collective:
@@ -170,11 +170,14 @@ def _threads(count: int | None) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def _model_at(setup: Setup, params: dict, buffers: dict | None = None) -> torch.nn.Module:
-    model = setup.build_model()
+def _model_at(setup: Setup, params: dict, buffers: dict | None = None,
+              model: torch.nn.Module | None = None) -> torch.nn.Module:
+    """A model holding ``params`` (by trainable name) and ``buffers``: built anew, or ``model`` reset to them."""
+    model = setup.build_model() if model is None else model
     with torch.no_grad():
         for name, p in named_trainable(model):
             p.copy_(params[name])
+            p.grad = None
         for name, b in model.named_buffers():
             if buffers and name in buffers:
                 b.copy_(buffers[name])
@@ -302,9 +305,9 @@ def _bucket_params(bucket: dict, grads: dict) -> list[tuple[str, int, int]]:
     return out
 
 
-def _replay_local(em: _Emitter, setup, config, step, rank, cap, before, buffers, micro, modules_seen) -> dict:
-    """The local phase of one rank; returns the replay's local gradients."""
-    model = _model_at(setup, before, buffers)
+def _replay_local(em: _Emitter, setup, config, step, rank, cap, model, micro, modules_seen) -> dict:
+    """The local phase of one rank on ``model`` (at the rank's weights and buffers before the step);
+    returns the replay's local gradients."""
     with _threads(cap.get("threads")):
         if isinstance(config, FSDP2):
             rounds, calls = _local_fsdp(setup, config, model, micro, cap, rank)
@@ -357,8 +360,8 @@ def _replay_reduction(em: _Emitter, config, step, caps: list[dict], emulation) -
                         expected[start:stop])
 
 
-def _replay_update(em: _Emitter, setup, config, step, rank, cap, before, optim_before) -> None:
-    model = _model_at(setup, before, cap.get("buffers"))
+def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_before) -> None:
+    """The update phase of one rank on ``model`` (at the rank's weights and buffers before the step)."""
     named = named_trainable(model)
     with _threads(cap.get("threads")):
         if cap.get("buckets"):
@@ -451,9 +454,15 @@ def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, 
         micro = pieces[rank * k:(rank + 1) * k]
         # DDP broadcasts rank 0's buffers at the start of every forward.
         source = caps[rank] if isinstance(config, FSDP2) else caps[0]
-        _replay_local(em, setup, config, step, rank, caps[rank], before, source.get("buffers"), micro,
-                      modules_seen)
-        _replay_update(em, setup, config, step, rank, caps[rank], before, optim_before)
+        model = _model_at(setup, before, source.get("buffers"))
+        _replay_local(em, setup, config, step, rank, caps[rank], model, micro, modules_seen)
+        # The update needs the weights and buffers before the step again. The local phase's model is reset
+        # to them -- building one costs seconds for a large model -- unless a compiled wrap ran its passes
+        # (it may have hooked the parameters).
+        model = _model_at(setup, before, caps[rank].get("buffers"),
+                          model if _compiled.compile_options(config) is None else None)
+        _replay_update(em, setup, config, step, rank, caps[rank], model, optim_before)
+        del model
     _sharded.broadcast_records(lambda s, r, name, live, owner: em.bits(s, r, "update", "param", name,
                                                                        live, owner), step, caps)
     if isinstance(config, FSDP2):

@@ -76,6 +76,16 @@ class Setup:
         model = self.model()
         return model if dtype is None else model.to(dtype)
 
+    def inspect(self, question: Callable[[nn.Module], Any]) -> Any:
+        """``question(model)`` of a model built for it, asked once per question and ``model`` factory: what a
+        comparison asks of the model's structure many times (does it compile, do its modules issue
+        collectives), where building a large model takes seconds."""
+        answers = self.__dict__.setdefault("_answers", {})
+        key = (question, id(self.model))
+        if key not in answers:
+            answers[key] = question(self.build_model())
+        return answers[key]
+
 
 def global_batches(setup: Setup, steps: int | None = None) -> list:
     """The first ``steps`` global batches (all of them when None), as a list of tuples."""

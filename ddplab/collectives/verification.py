@@ -248,7 +248,8 @@ def _verify_hook(hook: HookResult, own: dict[tuple[int, int], CollectiveRecord],
     if result is None or outputs is None:
         out.skip([hook], "the tensors were not kept", stage)
         return
-    flat = torch.cat([t.reshape(-1) for t in outputs]) if outputs else torch.empty(0)
+    flat = (outputs[0].reshape(-1) if len(outputs) == 1 else    # one output: no copy of it
+            torch.cat([t.reshape(-1) for t in outputs]) if outputs else torch.empty(0))
     if flat.numel() != result.numel():
         out.skip([hook], f"the result ({result.numel()} elements) is not its collective's output "
                          f"({flat.numel()} elements)", stage)

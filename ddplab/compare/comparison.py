@@ -204,12 +204,13 @@ def _promise_id(runs: list[RunSpec], config: Configuration) -> str | None:
     return None
 
 
-def _reduction_steps(config: Configuration, ranks: list) -> StepRecords:
+def _reduction_steps(config: Configuration, ranks: list, shared: _replay.Reductions) -> StepRecords:
     """The referee's measure of every captured DDP bucket: its result against gloo's ring order
     applied to the W ranks' contributions (bit for bit), per step; nothing without captured buckets.
     A bucket whose bits the order reproduces is rounding by that evidence alone (its records: the
     bits' numbers, :func:`~ddplab.numerics.matches_order`); one whose bits differ is measured whole,
-    against the exact sum and the bounds too."""
+    against the exact sum and the bounds too. The order's result is kept in ``shared`` for the replay,
+    which checks the same reduction."""
     from ddplab.numerics import error_records, matches_order, records_of
     from ddplab.numerics.orders import DDP_AVERAGING
 
@@ -219,14 +220,16 @@ def _reduction_steps(config: Configuration, ranks: list) -> StepRecords:
         for index, bucket in sorted(by_rank[0].items()):
             if not all(index in other for other in by_rank):
                 continue
-            contributions = torch.stack([other[index]["local"] for other in by_rank])
+            local = [other[index]["local"] for other in by_rank]
+            contributions = torch.stack(local)
             how = dict(op="avg", averaging=DDP_AVERAGING)
+            expected = shared.of(step, local, contributions)
             labels = dict(step=step, rank=0, bucket=index, config=config.label, params=bucket["params"],
                           collective="allreduce")
-            bits = matches_order(bucket["result"], contributions, "gloo_ring", **how)
+            bits = matches_order(bucket["result"], contributions, "gloo_ring", expected=expected, **how)
             out += (records_of(bits, bucket["result"], contributions, "gloo_ring", **how, **labels)
                     if bits is not None else
-                    error_records(bucket["result"], contributions, "gloo_ring", **how, **labels))
+                    error_records(bucket["result"], contributions, "gloo_ring", expected=expected, **how, **labels))
         return out
 
     for step in common_steps(*ranks):
@@ -584,10 +587,16 @@ class _Session:
         finite = _finite.nonfinite_steps(streamed.ranks(run_id, past_cut=True), streamed.cut_at)
         twin = {variant: self._twin_source(config, streamed, variant_id)
                 for variant, variant_id in variant_ids.items() if variant == "twin"}
+        shared = _replay.Reductions()   # each bucket's reduction, emulated once for the audit and the replay
+
+        def judged(step: int) -> None:
+            shared.clear()
+            streamed.judged(step)
+
         references, found, reductions, collectives, mesh, replayed, *mine = in_step(
-            against, finite, _reduction_steps(config, ranks),
+            against, finite, _reduction_steps(config, ranks, shared),
             _recorded.collective_records(config, ranks, dtype), _mesh_evidence.mesh_records(config, ranks, dtype),
-            _replay.replay_records(self.setup, config, ranks, batches), *twin.values(), judged=streamed.judged)
+            _replay.replay_records(self.setup, config, ranks, batches, shared), *twin.values(), judged=judged)
         own = dict(zip(twin, mine))
         references, own["float64"] = self._note_judged(references)
         records = [dict(r, config=config.label) for r in found] + references

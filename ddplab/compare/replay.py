@@ -68,7 +68,7 @@ from ddplab.compare.runners import ForwardDigests
 from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable
 from ddplab.records import record
 
-__all__ = ["PHASES", "register_reduction", "reduction_emulation", "unavailable", "replay_records",
+__all__ = ["PHASES", "register_reduction", "reduction_emulation", "Reductions", "unavailable", "replay_records",
            "compare_bits", "first_difference"]
 
 #: Where a difference from the replay happens, in the order a step runs.
@@ -95,6 +95,30 @@ def register_reduction(hook: Callable, emulation: Callable[[torch.Tensor], torch
 def _ddp_default(contributions: torch.Tensor) -> torch.Tensor:
     from ddplab.numerics.orders import DDP_AVERAGING, reduce
     return reduce(contributions, "gloo_ring", op="avg", averaging=DDP_AVERAGING)
+
+
+class Reductions:
+    """DDP's own reduction (:func:`reduction_emulation` of no hook) of each bucket of the step being judged,
+    emulated once for the sources that check it: the bucket audit asks first (:meth:`of`), the replay
+    takes it (:meth:`take`). Keyed by the contributions' tensors; :meth:`clear` once the step is judged."""
+
+    def __init__(self):
+        self._step: int | None = None
+        self._items: dict[tuple, torch.Tensor] = {}
+
+    def of(self, step: int, contributions: list[torch.Tensor], stacked: torch.Tensor) -> torch.Tensor:
+        """The reduction of ``contributions`` (``stacked``: them as one ``(W, n)`` tensor), kept for :meth:`take`."""
+        if step != self._step:
+            self._step, self._items = step, {}
+        return self._items.setdefault(tuple(map(id, contributions)), _ddp_default(stacked))
+
+    def take(self, step: int, contributions: list[torch.Tensor]) -> torch.Tensor | None:
+        """What :meth:`of` emulated for these contributions at ``step`` (then forgotten), or None."""
+        return self._items.pop(tuple(map(id, contributions)), None) if step == self._step else None
+
+    def clear(self) -> None:
+        """The step is judged: nothing of it is kept (what the replay did not take, a hook's buckets)."""
+        self._step, self._items = None, {}
 
 
 def reduction_emulation(hook: Callable | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -343,7 +367,7 @@ def _replay_local(em: _Emitter, setup, config, step, rank, cap, model, micro, mo
     return grads
 
 
-def _replay_reduction(em: _Emitter, config, step, caps: list[dict], emulation) -> None:
+def _replay_reduction(em: _Emitter, config, step, caps: list[dict], emulation, shared: Reductions | None) -> None:
     by_rank = [{b["index"]: b for b in cap.get("buckets", [])} for cap in caps]
     indices = sorted(by_rank[0])
     for index in indices:
@@ -351,8 +375,10 @@ def _replay_reduction(em: _Emitter, config, step, caps: list[dict], emulation) -
             for rank in range(len(caps)):
                 em.unverified(step, rank, "reduction", f"bucket {index} missing on some rank")
             continue
-        contributions = torch.stack([other[index]["local"] for other in by_rank])
-        expected = emulation(contributions)
+        local = [other[index]["local"] for other in by_rank]
+        expected = shared.take(step, local) if shared is not None and emulation is _ddp_default else None
+        if expected is None:
+            expected = emulation(torch.stack(local))
         for rank, other in enumerate(by_rank):
             bucket = other[index]
             for name, start, stop in _bucket_params(bucket, caps[rank]["params"]):
@@ -416,11 +442,13 @@ def _shard_rows(rows: int, world: int, rank: int) -> slice:
     return slice(min(rank * chunk, rows), min((rank + 1) * chunk, rows))
 
 
-def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]], batches: list) -> StepRecords:
+def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]], batches: list,
+                   shared: Reductions | None = None) -> StepRecords:
     """Replay every captured step of ``config`` (``ranks[r][step]``: rank r's captures) and compare.
 
     Yields each step's records of the module docstring; nothing when the
-    configuration has no replay (:func:`unavailable`).
+    configuration has no replay (:func:`unavailable`). ``shared``: DDP's reductions a source before
+    it emulated this step.
     """
     if unavailable(setup, config) is not None:
         return
@@ -434,7 +462,7 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
     rng = torch.get_rng_state()
     try:
         for step in common_steps(*ranks):
-            _replay_step(em, setup, config, ranks, batches, step, initial, modules_seen, emulation)
+            _replay_step(em, setup, config, ranks, batches, step, initial, modules_seen, emulation, shared)
             initial = None   # every later step starts from the one before: a model size less held
             mine, em.out = em.out, []   # one step's records at a time
             yield _compiled.unverified_local(mine) if compiled else mine
@@ -443,7 +471,7 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
 
 
 def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, step: int, initial: dict,
-                 modules_seen: list, emulation) -> None:
+                 modules_seen: list, emulation, shared: Reductions | None) -> None:
     """Step ``step`` of :func:`replay_records`, every rank, its records into ``em``."""
     world, k = config.world_size, config.k
     pieces = _data.batch_pieces(setup, batches[step], step, world, k)
@@ -474,7 +502,7 @@ def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, 
                           "(ddplab.compare.replay.register_reduction states one)")
     else:  # every reduction of the step (k when every micro-batch synchronizes)
         for round_ in range(len({b.get("round", 0) for b in caps[0].get("buckets", [])})):
-            _replay_reduction(em, config, step, [_with_round(cap, round_) for cap in caps], emulation)
+            _replay_reduction(em, config, step, [_with_round(cap, round_) for cap in caps], emulation, shared)
 
 
 def first_difference(frame, config: str) -> dict | None:

@@ -45,3 +45,20 @@ def test_judged_where_the_references_train_the_records_are_the_parents(no_leftov
     bands = there.records[(there.records["metric"] == "band") & (there.records["config"] == autocast.label)]
     assert set(bands["band_run"]) == {"reference bfloat16"}
     assert any(spec.label == "reference bfloat16" for spec in there.runs)
+
+
+def _crash_at_step_1(ctx):
+    """Rank 1 raises in step 1: the reference process, waiting for that step's captures, must learn that
+    they never come (the launch's end, said on disk), or it would wait until its own timeout."""
+    if ctx.step == 1 and ctx.rank == 1:
+        raise RuntimeError("planted crash")
+    return examples.plain_step(ctx)
+
+
+def test_a_run_that_crashes_ends_its_judge_where_the_references_train(no_leftovers, monkeypatch):
+    monkeypatch.setattr(comparison, "KEEP_REFERENCES_BYTES", 0)
+    crash = compare.Custom(2, train_step=_crash_at_step_1, name="crash")
+    result = compare.run(examples.digits_setup(0, steps=3), [crash, compare.DDP(2)], timeout=60, progress=False)
+    assert result.kinds == {"crash": "crashed", "ddp W=2": "exact"}
+    judged = result.records[result.records["metric"] == "deviation"].groupby("config")["step"].max().to_dict()
+    assert judged["crash"] == 0 and judged["ddp W=2"] == 2      # the step it finished, judged

@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable, Iterator
@@ -285,7 +286,9 @@ class Capture:
         if self.calls == 0:
             raise RuntimeError(f"{self.label}: optimizer.step() was not called in step {step}")
         grads = self.grads
-        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))) if grads else 0.0
+        # Accumulated in float64 without a float64 copy of each gradient (a large model's would be twice its size).
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(
+            g, dtype=torch.complex128 if g.is_complex() else torch.float64)) ** 2 for g in grads.values()))
         data = dict(grads=grads, params=self.params, loss=loss, optimizer_steps=self.calls,
                     optimizer=self.optim, **self.before)
         if self.buckets is not None:

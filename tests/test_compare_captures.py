@@ -122,10 +122,12 @@ def test_ddp_all_reduce_inputs_that_are_their_bucket_times_one_over_w_cost_no_by
     first = local[0].mul(1.0 / 3)                                   # W = 3: 1/3 is not exact, bits matter
     second = local[1].mul(1.0 / 3)
     second[5] = second[5].nextafter(torch.tensor(9.0))              # one ulp off: written as it is
-    collectives = [dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[first.clone()])),
+    collectives = [dict(bucket=0, type="HookResult", tensors=dict(result=[torch.randn(300_000)])),   # not a reduction
+                   dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[first.clone()])),
                    dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[second.clone()])),
                    dict(bucket=None, group_ranks=(0, 1, 2), tensors=dict(inputs=[torch.randn(3)]))]
     _scaled_inputs(collectives, buckets)
+    collectives.pop(0)
     assert isinstance(collectives[0]["tensors"]["inputs"][0], Scaled)
     assert not isinstance(collectives[1]["tensors"]["inputs"][0], Scaled)
     back, size = _round_trip(tmp_path, dict(buckets=buckets, collectives=collectives))
@@ -147,7 +149,7 @@ def test_a_ddp_rank_writes_what_it_shares_with_rank_0_once(tmp_path):
 
     from ddplab import launch
     from ddplab.compare import DDP, Setup
-    from ddplab.compare.captures import CaptureCache, SameAs
+    from ddplab.compare.captures import CaptureCache, SameAs, Scaled
     from ddplab.compare.runners import capture_path, configuration_worker
     from ddplab.compare.setup import model_digest
 
@@ -160,6 +162,11 @@ def test_a_ddp_rank_writes_what_it_shares_with_rank_0_once(tmp_path):
     raw = torch.load(capture_path(root, "run", 0, 1), weights_only=False)["data"]
     assert raw["params"]["0.weight"] == SameAs(("params", "0.weight"))
     assert all(isinstance(b["result"], SameAs) and not isinstance(b["local"], SameAs) for b in raw["buckets"])
+    # On every rank each all-reduce input is its bucket times 1/W, written as that product (no bytes).
+    for rank in range(2):
+        data = torch.load(capture_path(root, "run", 0, rank), weights_only=False)["data"]
+        reductions = [c for c in data["collectives"] if c.get("op") == "allreduce" and c.get("bucket") is not None]
+        assert reductions and all(isinstance(c["tensors"]["inputs"][0], Scaled) for c in reductions)
     cache = CaptureCache(4)
     zero, one = cache.get(root, "run", 0, 0), cache.get(root, "run", 1, 0)
     assert one["params"]["0.weight"] is zero["params"]["0.weight"]

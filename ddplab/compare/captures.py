@@ -16,6 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import io
 import math
 import os
 import shutil
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 __all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
-           "read_capture", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits", "Scaled",
+           "read_capture", "capture_size", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits", "Scaled",
            "SameAs", "same_as", "large_tensors", "resolve_same_as", "RecentSteps"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
@@ -191,12 +192,9 @@ def resolve_same_as(data, other: Callable[[], dict]):
     return _walk(data, lambda x: _at(other(), x.key) if isinstance(x, SameAs) else x)
 
 
-def save_capture(data: dict, path: str) -> None:
-    """Write ``data`` (dicts, lists and tuples of tensors and plain values) to ``path`` atomically:
-    every small tensor (:data:`PACKED_NUMEL`) a slice of one buffer per dtype, and the bytes of each
-    distinct large tensor once (a tensor object met twice, or large tensors of the same dtype, shape
-    and bits: DDP's bucket, its hook's result and the all-reduce's output are often three clones); a
-    :class:`Scaled` costs no bytes beyond its base's."""
+def _packed(data: dict) -> tuple[dict, int]:
+    """What :func:`save_capture` writes of ``data`` -- every small tensor (:data:`PACKED_NUMEL`) a slice of one
+    buffer per dtype, each distinct large tensor once -- and the bytes of its tensors."""
     small: list[torch.Tensor] = []
     large: list[torch.Tensor] = []
     seen: set[int] = set()                  # a tensor object met again is stored once, never compared
@@ -233,12 +231,21 @@ def save_capture(data: dict, path: str) -> None:
         return markers[id(x)]
 
     skeleton = _walk(data, pack)
+    needed = sum(b.numel() * b.element_size() for b in buffers.values()) + sum(
+        t.untyped_storage().nbytes() for t in large if id(t) not in same)
+    return {_PACKED: {str(d).removeprefix("torch."): b for d, b in buffers.items()}, "data": skeleton}, needed
+
+
+def save_capture(data: dict, path: str) -> None:
+    """Write ``data`` (dicts, lists and tuples of tensors and plain values) to ``path`` atomically:
+    every small tensor (:data:`PACKED_NUMEL`) a slice of one buffer per dtype, and the bytes of each
+    distinct large tensor once (a tensor object met twice, or large tensors of the same dtype, shape
+    and bits: DDP's bucket, its hook's result and the all-reduce's output are often three clones); a
+    :class:`Scaled` costs no bytes beyond its base's."""
+    payload, needed = _packed(data)
     try:
-        torch.save({_PACKED: {str(d).removeprefix("torch."): b for d, b in buffers.items()}, "data": skeleton},
-                   path + ".tmp")
+        torch.save(payload, path + ".tmp")
     except (OSError, RuntimeError) as exc:
-        needed = sum(b.numel() * b.element_size() for b in buffers.values()) + sum(
-            t.untyped_storage().nbytes() for t in large if id(t) not in same)
         free = shutil.disk_usage(os.path.dirname(path) or ".").free
         with contextlib.suppress(FileNotFoundError):
             os.remove(path + ".tmp")   # a partial capture holds the room the next one needs
@@ -248,6 +255,28 @@ def save_capture(data: dict, path: str) -> None:
                                         f"({free} bytes free)", path) from exc
         raise
     os.replace(path + ".tmp", path)  # a capture that exists is complete
+
+
+class _Counted(io.RawIOBase):
+    """A file that keeps nothing and counts the bytes written to it."""
+
+    def __init__(self):
+        self.count = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.count += len(b)
+        return len(b)
+
+
+def capture_size(data: dict) -> int:
+    """The bytes :func:`save_capture` writes for ``data``, counted without writing them (a few bytes
+    fewer: the archive's name inside the file is the file's)."""
+    sink = _Counted()
+    torch.save(_packed(data)[0], sink)
+    return sink.count
 
 
 def read_capture(path: str, mmap: bool = True) -> dict:

@@ -57,7 +57,7 @@ from ddplab.compare.configurations import Configuration, Custom, Fabric, FSDP2, 
 from ddplab.compare.reference_judge import (JudgedSteps, JudgeSpec, ReferenceJudge, band_reference,
                                             detected_precision, judge_here, judged_there)
 from ddplab.compare.runners import (DIFFERENT_MODEL, RunSpec, configuration_worker, reference_runs,
-                                    reference_worker, STEP_METRICS, train_references)
+                                    reference_worker, STEP_METRICS, first_capture_sizes)
 from ddplab.compare.setup import Setup, SetupError, check_setup, global_batches, model_digest
 from ddplab.compare.verdicts import ConfigVerdict, comparison_verdict, judge, verdicts_markdown
 
@@ -286,16 +286,17 @@ class _ReferenceTrainingFailed(RuntimeError):
     """Raised in the first launch's rank when a reference run fails after the setup's check passed."""
 
 
-def _first_worker(setup: Setup, steps: int | None, configs: list[Configuration], root: str) -> dict:
+def _first_worker(setup: Setup, steps: int | None, configs: list[Configuration]) -> dict:
     """Rank 0 of a comparison's first launch: try the setup (:func:`check_setup`), refuse what the
     configurations cannot run on it (a mesh plan, per-rank batches), then train the first step of
-    every reference run: its captures' sizes are what :mod:`ddplab.compare.footprint` counts. One
-    process for all of it: a launch's start and rendezvous are most of a small comparison's cost."""
+    every reference run: the sizes of its captures (``capture_bytes``, by label; none written) are what
+    :mod:`ddplab.compare.footprint` counts. One process for all of it: a launch's start and
+    rendezvous are most of a small comparison's cost."""
     facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
     _meshes.check_plans(setup, configs)
     _data.check_rank_batches(setup, facts["steps"], configs)
     try:
-        train_references(setup, reference_runs(configs, promises=not facts["random"]), 1, root)
+        facts["capture_bytes"] = first_capture_sizes(setup, reference_runs(configs, promises=not facts["random"]))
     except SetupError:
         raise
     except Exception as exc:  # noqa: BLE001 - told apart from the setup's check in the parent
@@ -303,10 +304,10 @@ def _first_worker(setup: Setup, steps: int | None, configs: list[Configuration],
     return facts
 
 
-def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], root: str, timeout: float,
+def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], timeout: float,
                  on_record: Callable | None = None) -> dict:
     """:func:`_first_worker` in a process of its own within ``timeout`` seconds: the setup's facts
-    (:func:`check_setup`), with the reference runs' first captures under ``root``.
+    (:func:`check_setup`), with the sizes of the reference runs' first captures (``capture_bytes``).
 
     The user's callables (``model()``, the batches, the loss, the optimizer) run there first: one
     that hangs is stopped at the timeout and named by where it was; one that raises is a
@@ -324,7 +325,7 @@ def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], 
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's to fix, said
         raise SetupError(f"the setup must be picklable (cloudpickle) to reach the ranks: {exc}") from exc
     try:
-        result = _launcher.launch(_first_worker, world_size=1, args=(setup, steps, configs, root),
+        result = _launcher.launch(_first_worker, world_size=1, args=(setup, steps, configs),
                                   timeout=timeout, on_record=on_record)
     except _launcher.LaunchTimeout as err:
         place = err.places.get(0)
@@ -492,13 +493,15 @@ class _Session:
                             runs: list[RunSpec]) -> StepRecords:
         """What is judged against the reference runs ``runs``, a step at a time: the records the
         reference process sends (``judged``), or, with the references on disk, the same judge asked here."""
+        # The float64 run is read by this judge alone: once it judged a step, that step's files can go.
+        took = streamed.runs[spec.float64_id].free if spec.float64_id is not None else None
         if judged is not None:
-            return judged_there(judged, streamed.cut_at)
+            return judged_there(judged, streamed.cut_at, took)
         judge = ReferenceJudge(self.setup, dataclasses.replace(spec, done=self._judged), runs, streamed.steps)
         refs = {run.run_id: streamed.captures(run.run_id, past_cut=True) for run in _written(runs)}
         ranks = streamed.ranks(spec.run_id, past_cut=True) if spec.run_id is not None else None
         float64 = streamed.captures(spec.float64_id) if spec.float64_id is not None else None
-        return judge_here(judge, refs, ranks, float64, streamed.cut_at)
+        return judge_here(judge, refs, ranks, float64, streamed.cut_at, took)
 
     def _run_pass(self, index: int, config: Configuration, together: tuple) -> tuple[list[dict], dict, int | None]:
         """``config``'s run (with ``together``, its variants that run alongside) and its reference runs,
@@ -709,10 +712,10 @@ class _Session:
         need = processes * MODEL_COPIES * self.facts["numel"] * 8
         return need <= psutil.virtual_memory().available / 2
 
-    def footprint(self, first: str) -> _footprint.Footprint | None:
+    def footprint(self) -> _footprint.Footprint | None:
         """What the configurations will need of the machine at least (:mod:`ddplab.compare.footprint`),
-        from the sizes of the reference runs' first captures under ``first``; None without them."""
-        self.reference_bytes = sizes = _footprint.capture_sizes(first, self.runs)
+        from the sizes of the reference runs' first captures the first launch measured; None without them."""
+        self.reference_bytes = sizes = dict(self.facts.get("capture_bytes", {}))
         if not {"reference", "truth"} <= sizes.keys():
             return None
         shapes = []
@@ -775,8 +778,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     bars = None
     try:
         with tempfile.TemporaryDirectory(prefix="ddplab-compare-") as root:
-            first = os.path.join(root, "first")
-            facts = first_launch(setup, steps, configs, first, timeout)
+            facts = first_launch(setup, steps, configs, timeout)
             steps = facts["steps"]
             bars = _Progress(steps, progress is True, progress if callable(progress) else None,
                              {c.label: c.world_size for c in configs})
@@ -788,8 +790,7 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
 
             runs = reference_runs(configs, promises=not facts["random"])
             session = _Session(setup, configs, facts, runs, root, timeout, on_record)
-            need = session.footprint(first)
-            shutil.rmtree(first)
+            need = session.footprint()
             if need is not None:
                 if progress is True:
                     from ddplab.progress import note

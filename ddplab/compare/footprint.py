@@ -26,11 +26,10 @@ captures at one step.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from ddplab.records import record
 
-__all__ = ["Footprint", "footprint", "check_fits", "capture_sizes", "size_text"]
+__all__ = ["Footprint", "footprint", "check_fits", "size_text"]
 
 GiB = 2**30
 
@@ -103,15 +102,3 @@ def check_fits(need: Footprint, *, memory: int, disk: int) -> None:
         raise ValueError("this comparison does not fit the machine: it needs " + "; ".join(problems)
                          + ". Compare a smaller model, or free memory or disk (a comparison holds about a step of "
                          "every run of a configuration at once, whatever the number of steps).")
-
-
-def capture_sizes(root: str, runs) -> dict[str, int]:
-    """Each reference run's step-0 capture, in bytes, by label (those that wrote one)."""
-    from ddplab.compare.runners import capture_path
-
-    out = {}
-    for spec in runs:
-        path = capture_path(root, spec.run_id, 0, 0)
-        if os.path.exists(path):
-            out[spec.label] = os.path.getsize(path)
-    return out

@@ -373,8 +373,9 @@ def _cut_on_reference(recs: list[dict], step: int, cut: Callable[[int], None]) -
         cut(step)
 
 
-def judged_there(steps: JudgedSteps, cut: Callable[[int], None]) -> StepRecords:
-    """The reference process's records, a step at a time; ``cut(step)`` where the reference turned non-finite."""
+def judged_there(steps: JudgedSteps, cut: Callable[[int], None], took: Callable[[int], None] | None = None) -> StepRecords:
+    """The reference process's records, a step at a time; ``cut(step)`` where the reference turned non-finite,
+    ``took(step)`` once it judged a step (its float64 run's captures of it are read)."""
     step = 0
     while True:
         taken = steps.take(step)
@@ -382,16 +383,20 @@ def judged_there(steps: JudgedSteps, cut: Callable[[int], None]) -> StepRecords:
             return
         recs, last = taken
         _cut_on_reference(recs, step, cut)
+        if took is not None:
+            took(step)
         yield recs
         if last:
             return
         step += 1
 
 
-def judge_here(judge: ReferenceJudge, refs: dict, ranks: list | None, float64, cut: Callable[[int], None]) -> StepRecords:
+def judge_here(judge: ReferenceJudge, refs: dict, ranks: list | None, float64, cut: Callable[[int], None],
+               took: Callable[[int], None] | None = None) -> StepRecords:
     """:class:`ReferenceJudge` asked in this process, a step at a time: ``refs`` (reference run id ->
     its captures), ``ranks`` (the configuration's, per rank; None: no run in the pass) and ``float64``
-    (its float64 run's rank 0, or None) are sequences of steps (:func:`~ddplab.compare.captures.has_step`)."""
+    (its float64 run's rank 0, or None) are sequences of steps (:func:`~ddplab.compare.captures.has_step`);
+    ``took(step)`` once a step is judged."""
     step = 0
     while not judge.done:
         if not all(has_step(caps, step) for caps in refs.values()):
@@ -407,5 +412,7 @@ def judge_here(judge: ReferenceJudge, refs: dict, ranks: list | None, float64, c
         recs = judge.step(step, {run_id: caps[step] for run_id, caps in refs.items()},
                           read_ranks if ranks is not None else lambda: [], read_float64)
         _cut_on_reference(recs, step, cut)
+        if took is not None:
+            took(step)
         yield recs
         step += 1

@@ -61,7 +61,7 @@ from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_bat
 __all__ = ["RunSpec", "Capture", "BucketCapture", "ForwardDigests", "optimizer_state", "tensor_digest",
            "capture_path", "captured_files", "reference_worker", "train_references", "DIFFERENT_MODEL", "VARIANTS",
            "collective_state", "collective_record", "precision_reference", "TRAINERS", "register_trainer",
-           "configuration_worker", "reference_runs", "STEP_METRICS"]
+           "configuration_worker", "reference_runs", "STEP_METRICS", "first_capture_sizes"]
 
 
 # --------------------------------------------------------------------------- where captures live
@@ -377,7 +377,8 @@ def _scaled_inputs(collectives: list[dict], buckets: list[dict]) -> None:
     rounds: dict = collections.Counter()     # the n-th collective of a bucket is its n-th reduction's
     for state in collectives:
         inputs = (state.get("tensors") or {}).get("inputs")
-        if state.get("bucket") is None:
+        # A bucket's reductions only: the comm hook's result record is labelled with its bucket too.
+        if state.get("bucket") is None or state.get("type", "CollectiveRecord") != "CollectiveRecord":
             continue
         base = local.get((state["bucket"], rounds[state["bucket"]]))
         rounds[state["bucket"]] += 1
@@ -582,6 +583,23 @@ def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, j
 
             for rec in ask(step, captured, train):
                 _records.send(rec)
+
+
+def first_capture_sizes(setup: Setup, runs: list[RunSpec]) -> dict[str, int]:
+    """Train the first step of every reference run in ``runs``, one after another, and return the bytes
+    each one's capture takes on disk, by label (:func:`~ddplab.compare.captures.capture_size`: counted,
+    none written; a promise, never written, is not counted)."""
+    from ddplab.compare.captures import capture_size
+
+    batches = global_batches(setup, 1)
+    sizes = {}
+    with eager():
+        for spec in runs:
+            capture = next(_reference_steps(setup, spec, batches, "", write=False))
+            if not spec.promise:
+                sizes[spec.label] = capture_size(capture)
+            del capture
+    return sizes
 
 
 def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str,

@@ -3,14 +3,15 @@
 Every run of a *pass* (a configuration's run, its twin and its float64 run) writes one capture
 per step and rank; the reference runs that train beside them write none: they judge each step where
 they train, once its captures are written (:mod:`ddplab.compare.reference_judge`), and the parent
-deletes a step's files only after that. After writing step ``s`` a rank waits
-(:func:`wait_for_parent`) until the parent has judged step ``s - LAG``; the parent judges a step of
-every run of the pass together (:func:`ddplab.compare.captures.in_step`), then marks it judged and
-forgets it (:meth:`Pass.judged`); what the next step reads of it stays in the parent's memory
-(:data:`NEXT_STEP_READS`: the replay starts step ``s`` from the state step ``s - 1`` left). A step's
-files are deleted as soon as the parent holds every rank's (:meth:`LiveRun.read`), at the latest
-when it is judged: a run's captures on disk are then at most ``LAG + 1`` steps, about one while a
-step is judged, whatever the number of steps. A run *kept* in a folder of its own
+deletes a step's files only after that. The parent judges a step of every run of the pass together
+(:func:`ddplab.compare.captures.in_step`), then marks it judged and forgets it (:meth:`Pass.judged`);
+what the next step reads of it stays in the parent's memory (:data:`NEXT_STEP_READS`: the replay
+starts step ``s`` from the state step ``s - 1`` left). A step's files are deleted as soon as every
+reader took them -- the parent holds every rank's (:meth:`LiveRun.read`), the reference process
+judged it -- and at the latest when it is judged. After writing step ``s`` a rank waits
+(:func:`wait_for_parent`) until step ``s - LAG + 1`` is freed that way: it trains the next step while
+the parent judges this one, and a run's captures on disk are at most ``LAG`` steps (and the one
+being written), whatever the number of steps. A run *kept* in a folder of its own
 (:meth:`Pass.add`: a small model's reference runs, judged by the parent and read again by later
 passes) neither waits nor is deleted. A launch that ended says so on disk too (:func:`ended`), for
 the reference process waiting for its steps.
@@ -23,6 +24,7 @@ first step where a value turned non-finite).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -32,11 +34,12 @@ from collections.abc import Callable
 
 from ddplab.compare.captures import CaptureCache, Captures
 
-__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "ended", "judged_path", "LiveRun", "LiveCaptures",
+__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "ended", "judged_path", "freed_path", "LiveRun", "LiveCaptures",
            "Pass", "ScratchFull", "disk_full"]
 
-#: Steps a rank may run ahead of the last step the parent judged: one, so that a rank trains the
-#: next step while the parent judges this one, and the scratch folder holds a few steps at most.
+#: Steps of a run on disk at once: a rank writes step ``s + LAG`` once every reader has taken step ``s``
+#: and its files are gone (:meth:`LiveRun.free`), or step ``s`` is judged. One: the ranks train the next
+#: step while the parent judges this one, and the scratch folder holds about a step of each run.
 LAG = 1
 #: The longest a rank sleeps between two looks at the parent's progress, in seconds.
 _POLL = 0.02
@@ -107,11 +110,17 @@ def ended(root: str, run_id: str) -> bool:
     return os.path.exists(os.path.join(root, run_id, _ENDED)) or released(root, run_id)
 
 
+def freed_path(root: str, run_id: str) -> str:
+    """The file holding the last step of ``run_id`` every reader took and the parent deleted (absent: none yet)."""
+    return os.path.join(root, run_id, "freed")
+
+
 def wait_for_parent(root: str, run_id: str, step: int, lag: int = LAG) -> None:
-    """In a rank, after writing ``step``: wait until the parent judged step ``step - lag``. The launch's
-    own timeout and stop still end the rank; the parent moves the deadline by the time it judged."""
-    path, delay = judged_path(root, run_id), 0.0005
-    while _read_judged(path) < step - lag:
+    """In a rank, after writing ``step``: wait until step ``step - lag + 1`` is freed (every reader took
+    it, :meth:`LiveRun.free`) or judged. The launch's own timeout and stop still end the rank; the
+    parent moves the deadline by the time it judged."""
+    freed, judged, delay = freed_path(root, run_id), judged_path(root, run_id), 0.0005
+    while _read_judged(freed) < step - lag + 1 and _read_judged(judged) < step - lag + 1:
         time.sleep(delay)
         delay = min(_POLL, delay * 2)
 
@@ -172,7 +181,23 @@ class LiveRun:
         if len(ranks) < self.world_size:
             return
         del self._read[step]
+        self.free(step)
+
+    def free(self, step: int) -> None:
+        """Every reader took ``step`` (the parent holds it, a reference process judged it): delete its files
+        and say so, so that the ranks write the next step (:func:`wait_for_parent`). A marker the disk has
+        no room for is left unsaid: the ranks then wait for the step to be judged."""
+        if not self.deleted:
+            return
         self._delete(step)
+        tmp = freed_path(self.root, self.run_id) + ".tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(str(step))
+            os.replace(tmp, freed_path(self.root, self.run_id))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
     def _delete(self, step: int) -> None:
         for rank in range(self.world_size):

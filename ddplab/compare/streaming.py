@@ -10,8 +10,8 @@ starts step ``s`` from the state step ``s - 1`` left). A step's files are delete
 reader took them -- the parent holds every rank's (:meth:`LiveRun.read`), the reference process
 judged it -- and at the latest when it is judged. After writing step ``s`` a rank waits
 (:func:`wait_for_parent`) until step ``s - LAG + 1`` is freed that way: it trains the next step while
-the parent judges this one, and a run's captures on disk are at most ``LAG`` steps (and the one
-being written), whatever the number of steps. A run *kept* in a folder of its own
+the parent judges this one, and a run's captures on disk are at most ``LAG`` steps, whatever the
+number of steps. A run *kept* in a folder of its own
 (:meth:`Pass.add`: a small model's reference runs, judged by the parent and read again by later
 passes) neither waits nor is deleted. A launch that ended says so on disk too (:func:`ended`), for
 the reference process waiting for its steps.
@@ -170,8 +170,8 @@ class LiveRun:
 
     def read(self, step: int, rank: int, cache: CaptureCache) -> None:
         """The parent read rank ``rank``'s capture of ``step`` into ``cache``: it stays there until judged
-        (:meth:`CaptureCache.pin`), and once every rank's is read the step's files are deleted -- the
-        ranks then write the next step while it is judged, and the scratch folder holds about one step.
+        (:meth:`CaptureCache.pin`), and once every rank's is read the step is freed (:meth:`free`) -- the
+        ranks then write the next step while it is judged, and the scratch folder holds one step.
         (Not before: a rank writes a step after reading rank 0's, :class:`~ddplab.compare.captures.SameAs`.)"""
         cache.pin(self.root, self.run_id, rank, step)
         if not self.deleted:

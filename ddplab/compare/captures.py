@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 __all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
-           "read_capture", "capture_size", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits", "Scaled",
-           "SameAs", "same_as", "large_tensors", "resolve_same_as", "RecentSteps"]
+           "read_capture", "capture_size", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits",
+           "Scaled", "SameAs", "same_as", "large_tensors", "resolve_same_as", "RecentSteps"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),

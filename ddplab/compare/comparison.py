@@ -15,10 +15,10 @@ reference runs -- the referee's distances from the float64 truth
 (:mod:`ddplab.compare.localization`), the float64 run -- where they train
 (:mod:`ddplab.compare.reference_judge`), and in the parent what the ranks
 show alone -- the audits, the recorded collectives, the replay, the twin.
-What no source reads again is deleted: the scratch folder and the parent's
-memory hold a few steps, whatever the number of steps. It returns a :class:`Comparison`: the tidy records, one
-verdict per configuration, the errors of the configurations that crashed or
-hung.
+What no source reads again is deleted: the scratch folder holds a step of
+each run and the parent's memory a few, whatever the number of steps. It
+returns a :class:`Comparison`: the tidy records, one verdict per
+configuration, the errors of the configurations that crashed or hung.
 
 A configuration that crashes or hangs does not stop the others: its verdict
 says so (rank, exception, traceback) and the steps it finished are still

@@ -373,9 +373,10 @@ def _cut_on_reference(recs: list[dict], step: int, cut: Callable[[int], None]) -
         cut(step)
 
 
-def judged_there(steps: JudgedSteps, cut: Callable[[int], None], took: Callable[[int], None] | None = None) -> StepRecords:
-    """The reference process's records, a step at a time; ``cut(step)`` where the reference turned non-finite,
-    ``took(step)`` once it judged a step (its float64 run's captures of it are read)."""
+def judged_there(steps: JudgedSteps, cut: Callable[[int], None],
+                 took: Callable[[int], None] | None = None) -> StepRecords:
+    """The reference process's records, a step at a time; ``cut(step)`` where the reference turned
+    non-finite, ``took(step)`` once it judged a step (its float64 run's captures of it are read)."""
     step = 0
     while True:
         taken = steps.take(step)

@@ -551,8 +551,9 @@ DIFFERENT_MODEL = ("setup.model() builds different initial weights in another pr
 
 def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, judge=None) -> None:
     """Every reference run in this process, a step of each in turn, never waiting for the parent.
-    Without ``judge`` each writes its captures under ``root``, for the parent to judge. With ``judge`` (a :class:`ddplab.compare.reference_judge.JudgeSpec`) none is written: after each step
-    the configuration's captures of it are judged against them here, and only the records leave the
+    Without ``judge`` each writes its captures under ``root``, for the parent to judge. With ``judge``
+    (a :class:`ddplab.compare.reference_judge.JudgeSpec`) none is written: after each step the
+    configuration's captures of it are judged against them here, and only the records leave the
     process. A float64 promise is never written either: it is judged against the truth here, after each
     step (:class:`ddplab.compare.float64_run.PromiseJudge`)."""
     from ddplab.compare.float64_run import PromiseJudge

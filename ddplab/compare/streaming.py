@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 from ddplab.compare.captures import CaptureCache, Captures
 
-__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "ended", "judged_path", "freed_path", "LiveRun", "LiveCaptures",
-           "Pass", "ScratchFull", "disk_full"]
+__all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "ended", "judged_path", "freed_path", "LiveRun",
+           "LiveCaptures", "Pass", "ScratchFull", "disk_full"]
 
 #: Steps of a run on disk at once: a rank writes step ``s + LAG`` once every reader has taken step ``s``
 #: and its files are gone (:meth:`LiveRun.free`), or step ``s`` is judged. One: the ranks train the next

@@ -441,7 +441,7 @@ class _Session:
         for spec in train if folder else ():   # what a stopped pass left of them is written anew
             shutil.rmtree(os.path.join(folder, spec.run_id), ignore_errors=True)
             os.makedirs(os.path.join(folder, spec.run_id))
-        judged = JudgedSteps() if folder is None and judge is not None else None
+        sent = JudgedSteps() if folder is None and judge is not None else None
 
         def on_record(rec: dict) -> None:
             metric = rec.get("metric", "")
@@ -453,12 +453,12 @@ class _Session:
                 if key not in self._streamed:
                     self._streamed.add(key)
                     self.on_record(rec)
-            elif judged is not None:              # what it judged of the pass
-                judged.put(rec)
+            elif sent is not None:                # what it judged of the pass
+                sent.put(rec)
 
         def after(outcome) -> None:
-            if judged is not None:
-                judged.end()
+            if sent is not None:
+                sent.end()
             if isinstance(outcome, BaseException) and not isinstance(outcome, _launcher.LaunchStopped):
                 streamed.stop(streamed.launches())   # without the references nothing of the pass can be judged
             elif folder is not None and not isinstance(outcome, BaseException):
@@ -467,10 +467,10 @@ class _Session:
         # Kept whole, they need not wait for the parent; judging, they wait for the pass's captures.
         launch = _launcher.Launch(reference_worker, world_size=1,
                                   args=(self.setup, train, streamed.steps, folder or streamed.root,
-                                        self.facts["digest"], judge if judged is not None else None),
+                                        self.facts["digest"], judge if sent is not None else None),
                                   timeout=self.timeout, on_record=on_record, threads_per_rank=1)
         streamed.start(key, launch, [spec.run_id for spec in _written(train)] if folder else [], after)
-        return judged
+        return sent
 
     @property
     def keep_references(self) -> bool:
@@ -489,14 +489,14 @@ class _Session:
         wanted = {"truth", "reference", band.run_id, _promise_id(self.runs, config)}
         return [spec for spec in self.runs if spec.run_id in wanted], band
 
-    def _against_references(self, streamed: Pass, judged: JudgedSteps | None, spec: JudgeSpec,
+    def _against_references(self, streamed: Pass, sent: JudgedSteps | None, spec: JudgeSpec,
                             runs: list[RunSpec]) -> StepRecords:
         """What is judged against the reference runs ``runs``, a step at a time: the records the
-        reference process sends (``judged``), or, with the references on disk, the same judge asked here."""
+        reference process sends (``sent``), or, with the references on disk, the same judge asked here."""
         # The float64 run is read by this judge alone: once it judged a step, that step's files can go.
         took = streamed.runs[spec.float64_id].free if spec.float64_id is not None else None
-        if judged is not None:
-            return judged_there(judged, streamed.cut_at, took)
+        if sent is not None:
+            return judged_there(sent, streamed.cut_at, took)
         judge = ReferenceJudge(self.setup, dataclasses.replace(spec, done=self._judged), runs, streamed.steps)
         refs = {run.run_id: streamed.captures(run.run_id, past_cut=True) for run in _written(runs)}
         ranks = streamed.ranks(spec.run_id, past_cut=True) if spec.run_id is not None else None
@@ -523,7 +523,7 @@ class _Session:
             # Undeclared, the band's precision is what the run's first step shows (autocast, a hook).
             spec = JudgeSpec(config, streamed.root, run_id, variant_ids.get("float64"),
                              band if config.dtypes() != (None, None) else None, self.facts["dtype"], dict(self._judged))
-            judged = self._start_references(streamed, runs, judge=spec)
+            sent = self._start_references(streamed, runs, judge=spec)
             self._start_configuration(streamed, config, run_id, "run", after_run)
             for variant, variant_id in variant_ids.items():
                 self._start_configuration(streamed, config, variant_id, variant)
@@ -533,10 +533,10 @@ class _Session:
             if shown:   # the judge there trains it beside the truth; on disk, it trains in a process of its own
                 matched, band = self._pass_references(config, shown)
                 extra = [run for run in matched if run not in runs]
-                if extra and judged is None:
+                if extra and sent is None:
                     self._start_references(streamed, extra, "references-precision")
                 runs += extra
-            against = self._against_references(streamed, judged, dataclasses.replace(spec, band=band), runs)
+            against = self._against_references(streamed, sent, dataclasses.replace(spec, band=band), runs)
             records, facts, own = self._judge(config, streamed, run_id, against, variant_ids)
         except BaseException:
             streamed.close()
@@ -663,8 +663,8 @@ class _Session:
             if "float64" in variant_ids:   # judged against the truth, which trains beside it
                 truth = [spec for spec in self.runs if spec.label == "truth"]
                 spec = JudgeSpec(config, streamed.root, None, variant_ids["float64"], None, self.facts["dtype"])
-                judged = self._start_references(streamed, truth, judge=spec)
-                sources["float64"] = self._against_references(streamed, judged, spec, truth)
+                sent = self._start_references(streamed, truth, judge=spec)
+                sources["float64"] = self._against_references(streamed, sent, spec, truth)
             own = dict(zip(sources, in_step(*sources.values(), judged=streamed.judged)))
         except BaseException:
             streamed.close()

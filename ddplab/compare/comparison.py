@@ -184,17 +184,6 @@ def _unavailable(config: Configuration) -> str | None:
 # --------------------------------------------------------------------------- analysis
 
 
-def _compression(config: Configuration) -> str | None:
-    """The low precision a configuration's comm hook reduces in, when it compresses."""
-    from ddplab import comm_hooks
-
-    hook = getattr(config, "comm_hook", None)
-    if hook is None:
-        return None
-    dtype = comm_hooks.COMPRESSION_DTYPE.get(comm_hooks.gloo_equivalent(hook)[0])
-    return str(dtype).replace("torch.", "") if dtype is not None else None
-
-
 def _promise_id(runs: list[RunSpec], config: Configuration) -> str | None:
     """The run id of the float64 promise of ``config``'s W and k, if one ran."""
     for spec in runs:
@@ -406,7 +395,7 @@ class _Session:
     def _status(self, config: Configuration, done: int = 0, **facts) -> dict:
         status, error = self.statuses[config.label]
         return _status_record(config, status, done, error, no_replay=_replay.unavailable(self.setup, config),
-                              random=self.facts["random"] or None, compression=_compression(config),
+                              random=self.facts["random"] or None, compression=_recorded.compression(config),
                               approximation=config.approximates(), **facts)
 
     def _start_configuration(self, streamed: Pass, config: Configuration, run_id: str, variant: str,

@@ -27,7 +27,8 @@ from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom
 from ddplab.records import record
 
-__all__ = ["REDUCTIONS", "step_collectives", "collective_records", "declared_reduce_dtype", "reduction_dtypes"]
+__all__ = ["REDUCTIONS", "step_collectives", "collective_records", "compression", "declared_reduce_dtype",
+           "reduction_dtypes"]
 
 
 
@@ -42,17 +43,26 @@ def _dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
 
+def compression(config: Configuration) -> str | None:
+    """The low precision a configuration's comm hook reduces in, when it compresses (torch's and
+    ddplab's compression hooks); None otherwise."""
+    from ddplab import comm_hooks
+
+    hook = getattr(config, "comm_hook", None)
+    if hook is None:
+        return None
+    return _dtype_name(comm_hooks.COMPRESSION_DTYPE.get(comm_hooks.gloo_equivalent(hook)[0]))
+
+
 def declared_reduce_dtype(config: Configuration, model_dtype: torch.dtype) -> str | None:
     """The dtype ``config`` promises its gradient reductions run in; None where it promises none
     (a Custom step, a comm hook of the user's own)."""
-    from ddplab.compare.comparison import _compression
-
     if isinstance(config, Custom) or hasattr(config, "declared_precision"):
         return None  # a mesh declares a dtype per kind of reduction, checked per axis (compare.mesh_evidence)
     if isinstance(config, FSDP2):
         return _dtype_name(config.dtypes()[1] or model_dtype)
     if isinstance(config, DDP) and config.comm_hook is not None:
-        return _compression(config)  # torch's and ddplab's compression hooks: their precision
+        return compression(config)  # torch's and ddplab's compression hooks: their precision
     return _dtype_name(model_dtype)
 
 

@@ -104,13 +104,9 @@ def float64_precision(config: Configuration, first: dict) -> torch.dtype | None:
     """The lowest precision a float64 run still computed in: the configuration's own mixed precision,
     its compression hook, the dtypes its modules returned and its reductions ran in (``first``: its
     rank 0's first capture; the tolerance holds for every step)."""
-    from ddplab import comm_hooks
-
     names = [str(d).replace("torch.", "") for d in config.dtypes() if d is not None]
-    hook = getattr(config, "comm_hook", None)
-    compressed = comm_hooks.COMPRESSION_DTYPE.get(comm_hooks.gloo_equivalent(hook)[0]) if hook is not None else None
-    if compressed is not None:
-        names.append(str(compressed).replace("torch.", ""))
+    if _recorded.compression(config):
+        names.append(_recorded.compression(config))
     names += sorted(_recorded.reduction_dtypes([first]))
     names += list(first.get("forward_dtypes", []))
     return _float64.lowest_precision(names)

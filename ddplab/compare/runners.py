@@ -599,7 +599,6 @@ def first_capture_sizes(setup: Setup, runs: list[RunSpec]) -> dict[str, int]:
             capture = next(_reference_steps(setup, spec, batches, "", write=False))
             if not spec.promise:
                 sizes[spec.label] = capture_size(capture)
-            del capture
     return sizes
 
 

@@ -156,10 +156,10 @@ def record_scenarios(spill_dir: str) -> dict:
     with collectives.recording(spill_dir=spill_dir) as rec:
         _ddp()(rec, g)
     out["spilled"] = rec.records()
-    for keep in (True, False):   # the same run twice: with its tensors, and digests only
-        with collectives.recording(keep_tensors=keep) as rec:
+    for keep, digests in ((True, True), (False, True), (True, False)):   # the same run: tensors and/or digests
+        with collectives.recording(keep_tensors=keep, digests=digests) as rec:
             _ddp(comm_hooks.fp16_compress_hook)(rec, torch.Generator().manual_seed(7 + dist.get_rank()))
-        out[f"kept={keep}"] = rec.records()
+        out[f"kept={keep}" + ("" if digests else " no digests")] = rec.records()
     return out
 
 
@@ -282,6 +282,27 @@ def test_a_digest_only_recording_keeps_the_digests_shapes_and_dtypes_and_no_tens
         assert all(r.tensors is not None for r in kept)
         for a, b in zip(kept, digests):
             assert dataclasses.replace(a, tensors=None) == b
+
+
+def test_a_recording_without_digests_keeps_the_tensors_and_verifies_the_same(w2):
+    for rank in w2:
+        kept, bare = rank["kept=True"], rank["kept=True no digests"]
+        assert len(kept) == len(bare) and all(r.complete and r.tensors is not None for r in bare)
+        assert all(r.input_digests == () == r.output_digests for r in _collectives(bare))
+        assert all(r.digest == "" for r in bare if isinstance(r, HookResult))
+        for a, b in zip(kept, bare):   # everything else as the digested recording's, tensors bit for bit
+            strip = dict(input_digests=(), output_digests=()) if isinstance(a, CollectiveRecord) else dict(digest="")
+            assert dataclasses.replace(a, tensors=None, **strip) == dataclasses.replace(b, tensors=None)
+    with_digests, without = _verified(w2, "kept=True"), _verified(w2, "kept=True no digests")
+    assert without.exact and without.checked == with_digests.checked > 0
+    assert without.records == with_digests.records
+
+
+def test_a_recording_keeps_tensors_or_digests_and_spills_only_with_digests(tmp_path):
+    with pytest.raises(ValueError, match="keep_tensors=False needs digests=True"):
+        collectives.Recorder(keep_tensors=False, digests=False)
+    with pytest.raises(ValueError, match="needs digests=True"):
+        collectives.Recorder(spill_dir=tmp_path, digests=False)
 
 
 def hsdp_and_subgroup() -> list:

@@ -203,3 +203,24 @@ def test_a_capture_that_does_not_fit_the_disk_says_so_and_leaves_nothing(tmp_pat
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["raised"] == "OSError" and seen["errno"] == 28, seen
     assert "No space left on device for a capture of 8000" in seen["text"] and seen["left"] == [], seen
+
+
+def test_a_steps_gradient_norm_is_within_1e_7_of_the_exact_one_where_one_float32_sum_is_not():
+    import math
+
+    from ddplab.compare.runners import gradient_norm
+
+    torch.manual_seed(0)
+    grads = [torch.randn(4_000_000), torch.randn(300, 7).t(), torch.randn(9, dtype=torch.bfloat16),
+             torch.randn(5, dtype=torch.complex64)]
+    exact = math.sqrt(sum(float(torch.linalg.vector_norm(g.to(torch.complex128 if g.is_complex() else torch.float64)))
+                          ** 2 for g in grads))
+    assert abs(gradient_norm(grads) - exact) / exact < 1e-7
+    # What it replaces: one float32 sum over the large tensor drifts further.
+    one_sum = float(torch.linalg.vector_norm(grads[0]))
+    assert abs(one_sum - float(grads[0].double().norm())) / one_sum > 1e-6
+    # Squares beyond float32's range, of finite elements: measured in float64.
+    huge = torch.full((4,), 1e30)
+    assert gradient_norm([huge]) == pytest.approx(float(huge.double().norm()), rel=1e-12)
+    assert math.isnan(gradient_norm([torch.tensor([1.0, float("nan")])]))
+    assert gradient_norm([]) == 0.0

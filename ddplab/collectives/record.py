@@ -80,6 +80,7 @@ class CollectiveRecord(_Stored):
     output_shapes: tuple = ()
     input_digests: tuple[str, ...] = ()
     output_digests: tuple[str, ...] | None = None    # None until it completed; () for send/recv (not copied)
+    #                                                  and where the recording takes no digests
     extra: dict = dataclasses.field(default_factory=dict)
     bucket: int | None = None        # the DDP bucket whose comm hook issued it
     error: str | None = None         # why the record is incomplete (the collective itself ran)
@@ -104,7 +105,7 @@ class HookResult(_Stored):
     collectives: tuple[int, ...] = ()
     dtype: str | None = None
     shape: tuple = ()
-    digest: str | None = None        # None until the hook's future completed
+    digest: str | None = None        # None until the hook's future completed; "" where no digest is taken
     error: str | None = None
 
     @property

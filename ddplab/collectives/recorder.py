@@ -16,7 +16,10 @@ waited for and its outputs copied before its caller gets the Work back (see
 step's tensors go to ``spill_dir/rank<r>/step<s>.<part>.pt`` when the next
 step is set, and only digests stay in memory. With ``keep_tensors=False`` only
 the digests, shapes and dtypes are kept (a run whose collectives are compared
-by digest only, such as :mod:`ddplab.compare`'s symmetric twin).
+by digest only, such as :mod:`ddplab.compare`'s symmetric twin). With
+``digests=False`` the tensors are kept and no digest is taken (empty ones
+stand in): hashing every collective's bytes costs a rank about as much as
+copying them, and a caller that verifies the tensors never reads it.
 """
 from __future__ import annotations
 
@@ -41,6 +44,17 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone(memory_format=torch.contiguous_format)
 
 
+#: How many of the last records :meth:`Recorder.held_copy` looks through (a hook's collectives are its last).
+_HELD_RECENT = 4
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its element size (bitwise equality: -0.0 is not 0.0, NaN equals its own bits)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    t = t.detach()
+    return t.view(ints[t.element_size()]) if t.dtype.is_floating_point else t
+
+
 def _reduce_op(obj) -> str:
     """The name ("sum", "avg", "max", ...) of a boxed ReduceOp."""
     return dist.ReduceOp.RedOpType(obj.op()).name.lower()
@@ -54,9 +68,15 @@ class Recorder:
     """This rank's record of collectives and DDP comm-hook results (see the module docstring)."""
 
     def __init__(self, *, spill_dir: str | os.PathLike | None = None, wait_timeout: float = 300.0,
-                 keep_tensors: bool = True):
+                 keep_tensors: bool = True, digests: bool = True):
+        if not (keep_tensors or digests):
+            raise ValueError("a recording keeps the tensors, their digests, or both: keep_tensors=False "
+                             "needs digests=True")
+        if spill_dir is not None and not digests:
+            raise ValueError("a spilling recording holds only the digests in memory: it needs digests=True")
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.keep_tensors = keep_tensors
+        self.digests = digests
         self.spill_dir = None if spill_dir is None else os.fspath(spill_dir)
         self.wait_timeout = wait_timeout
         self._lock = threading.Lock()
@@ -172,7 +192,7 @@ class Recorder:
             rec.output_shapes = tuple(tuple(t.shape) for t in outputs)
             sample = (inputs or outputs)
             rec.dtype = str(sample[0].dtype).removeprefix("torch.") if sample else None
-            rec.input_digests = tuple(tensor_digest(t) for t in inputs)
+            rec.input_digests = self._digests(inputs)
             rec.tensors = {"inputs": inputs} if self.keep_tensors else None
         except Exception as exc:  # noqa: BLE001 - the collective must run on every rank regardless
             rec.error = f"not recorded at issue: {_error_text(exc)}"
@@ -218,13 +238,16 @@ class Recorder:
                 rec.error = rec.error or f"collective failed: {_error_text(failure)}"
                 return
             copies = [_copy(t) if self.keep_tensors else t.detach() for t in outputs]
-            rec.output_digests = tuple(tensor_digest(t) for t in copies)
+            rec.output_digests = self._digests(copies)
             if rec.tensors is not None:
                 rec.tensors["outputs"] = copies
         except Exception as exc:  # noqa: BLE001 - a record that cannot be completed says why
             rec.error = rec.error or f"outputs not recorded: {_error_text(exc)}"
         finally:
             self._settle()
+
+    def _digests(self, tensors: list[torch.Tensor]) -> tuple[str, ...]:
+        return tuple(tensor_digest(t) for t in tensors) if self.digests else ()
 
     # ------------------------------------------------------------------ DDP comm hooks (ddplab.collectives.comm_hooks)
 
@@ -243,12 +266,29 @@ class Recorder:
         finally:
             self._hook_scope.current = previous
 
+    def held_copy(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The copy this recording holds of ``t``'s bits, or None: an output of one of its last few
+        collectives with ``t``'s dtype, shape and bits. A hook hands the reduced tensor back (DDP's own
+        does), and whoever keeps it too keeps that copy rather than one more of the same bytes."""
+        if not self.keep_tensors or t.layout != torch.strided or t.is_complex():
+            return None
+        with self._lock:
+            recent = [r for r in self._records[-_HELD_RECENT:] if isinstance(r, CollectiveRecord)]
+        for r in reversed(recent):
+            for out in ((r.tensors or {}).get("outputs") or []):
+                if out.dtype == t.dtype and out.shape == t.shape and torch.equal(_bits(out), _bits(t)):
+                    return out
+        return None
+
     def hook_result(self, rec: HookResult, value: torch.Tensor) -> None:
         try:
-            copy = _copy(value) if self.keep_tensors else value.detach()
+            copy = value.detach()
+            if self.keep_tensors:
+                held = self.held_copy(value)
+                copy = held if held is not None else _copy(value)
             rec.dtype = str(copy.dtype).removeprefix("torch.")
             rec.shape = tuple(copy.shape)
-            rec.digest = tensor_digest(copy)
+            rec.digest = tensor_digest(copy) if self.digests else ""
             rec.tensors = {"result": [copy]} if self.keep_tensors else None
         except Exception as exc:  # noqa: BLE001 - DDP must get its value regardless
             rec.error = f"not recorded: {_error_text(exc)}"
@@ -294,7 +334,7 @@ def set_step(step: int) -> None:
 
 @contextlib.contextmanager
 def recording(*, spill_dir: str | os.PathLike | None = None, wait_timeout: float = 300.0,
-              keep_tensors: bool = True) -> Iterator[Recorder]:
+              keep_tensors: bool = True, digests: bool = True) -> Iterator[Recorder]:
     """Record every CPU collective of this process, and DDP comm hooks' results, inside the block.
 
     One recording per process at a time. On exit torch's kernels and DDP's
@@ -307,7 +347,8 @@ def recording(*, spill_dir: str | os.PathLike | None = None, wait_timeout: float
 
     if _active is not None:
         raise RuntimeError("a collectives recording is already active in this process")
-    recorder = Recorder(spill_dir=spill_dir, wait_timeout=wait_timeout, keep_tensors=keep_tensors)
+    recorder = Recorder(spill_dir=spill_dir, wait_timeout=wait_timeout, keep_tensors=keep_tensors,
+                        digests=digests)
     lib = intercept(recorder.on_issue, recorder.on_result)
     _active = recorder
     try:

@@ -224,3 +224,40 @@ def test_a_steps_gradient_norm_is_within_1e_7_of_the_exact_one_where_one_float32
     assert gradient_norm([huge]) == pytest.approx(float(huge.double().norm()), rel=1e-12)
     assert math.isnan(gradient_norm([torch.tensor([1.0, float("nan")])]))
     assert gradient_norm([]) == 0.0
+
+
+def _torch_optimizers():
+    import inspect
+
+    for name, cls in sorted(vars(torch.optim).items()):
+        if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer \
+                and name not in ("LBFGS", "SparseAdam"):   # a closure's loop; sparse gradients only
+            yield cls
+
+
+@pytest.mark.parametrize("cls", list(_torch_optimizers()), ids=lambda c: c.__name__)
+def test_torch_optimizers_leave_the_gradients_they_read_alone(cls):
+    """What lets a capture borrow a reference's gradients instead of copying them (runners.leaves_gradients_alone)."""
+    import inspect
+
+    from ddplab.compare.runners import leaves_gradients_alone
+
+    accepted = inspect.signature(cls.__init__).parameters
+    options = [dict()]
+    for extra in (dict(weight_decay=0.1), dict(maximize=True, weight_decay=0.1), dict(foreach=True, weight_decay=0.1),
+                  dict(foreach=True, maximize=True, weight_decay=0.1), dict(momentum=0.9, nesterov=True)):
+        if all(key in accepted for key in extra):
+            options.append(extra)
+    torch.manual_seed(0)
+    for extra in options:
+        params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3, 4))]
+        optimizer = cls(params, lr=0.1, **extra)
+        assert leaves_gradients_alone(optimizer)
+        for _ in range(3):   # a momentum buffer exists from the second step on
+            for p in params:
+                p.grad = torch.randn_like(p)
+            seen = [p.grad.clone() for p in params]
+            optimizer.step()
+            for p, before in zip(params, seen):
+                assert torch.equal(p.grad.view(torch.int32), before.view(torch.int32)), (cls.__name__, extra)
+    assert not leaves_gradients_alone(type("Mine", (torch.optim.SGD,), {})(params, lr=0.1))

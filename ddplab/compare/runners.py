@@ -82,11 +82,21 @@ def captured_files(root: str, run_id: str) -> list[tuple[int, int, str]]:
     return out
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """``t`` whole, on the CPU, as a tensor of its own (``copy``) or the tensor itself where it is one."""
     # FSDP2 holds DTensors sharded over the ranks; full_tensor() gathers them.
     if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.detach().cpu().clone()
+        return t.full_tensor().detach().cpu().clone()   # a replicated one may hand back its local tensor
+    t = t.detach().cpu()
+    return t.clone() if copy else t
+
+
+def leaves_gradients_alone(optimizer) -> bool:
+    """Is ``optimizer`` one of torch.optim's own? None of them writes into ``.grad`` (maximize and
+    weight decay make new tensors; ``tests/test_compare_captures.py`` steps each one to check), so what
+    its step read is still in the gradients when the step is over."""
+    module = type(optimizer).__module__
+    return module == "torch.optim" or module.startswith("torch.optim.")
 
 
 #: Elements per partial sum of :func:`gradient_norm`: each is a float32 dot product (a few SIMD lanes
@@ -234,14 +244,22 @@ class Capture:
     ``keep()``, whatever else the step's file holds (a mesh's local shards).
     :meth:`begin` notes the state before a step (RNG, buffers, threads),
     :meth:`finish` writes the step's file and emits its records.
+
+    ``follows_step``: :meth:`finish` comes right after the optimizer's step (ddplab's own loop, not a
+    Custom step's code). Its parameters are then taken as they are, not copied, unless ``hold_params``
+    (something reads them after the run's next step); so are its gradients, where the optimizer is
+    torch's (:func:`leaves_gradients_alone`). A DDP rank's gradients that hold their reduced bucket's
+    bits are views of it; only the others are copied.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named: list, *, root: str, run_id: str,
                  label: str, rank: int, buckets: BucketCapture | None = None,
                  module: torch.nn.Module | None = None, any_optimizer: bool = False,
                  recorder: Any = None, keep: Callable[[], dict] | None = None, lag: int | None = None,
-                 write: bool = True):
+                 write: bool = True, follows_step: bool = False, hold_params: bool = False):
         self.named = named
+        self.copy_params = not follows_step or hold_params
+        self.copy_grads = not (follows_step and leaves_gradients_alone(optimizer))
         self.lag = lag   # not None: after writing a step, wait for the parent (ddplab.compare.streaming)
         self.write = write   # False: the step is judged in this process (finish() returns it), never written
         self.optimizer = optimizer
@@ -298,13 +316,22 @@ class Capture:
         self._stepping = optimizer
         self.calls += 1
         if self.grads is None:  # the first step() of a training step is the one compared
-            self.grads = {n: _full(p.grad) for n, p in self.named if p.grad is not None}
+            self.grads = self._gradients()
+
+    def _gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients the optimizer is about to read (see the class docstring for which are copied)."""
+        live = {n: p.grad for n, p in self.named if p.grad is not None}
+        plain = {n: g.detach() for n, g in live.items() if not hasattr(g, "full_tensor")}
+        # DDP copied each reduced bucket into the gradients; the bucket's capture is a tensor of its own.
+        views = _views_of_buckets(plain, self.buckets.buckets) if self.buckets is not None else plain
+        return {n: views[n] if n in plain and views[n] is not plain[n] else _full(g, self.copy_grads)
+                for n, g in live.items()}
 
     def _after(self, optimizer, args, kwargs) -> None:
         if optimizer is not self._stepping:
             return
         self._stepping = None
-        self.params = {n: _full(p) for n, p in self.named}
+        self.params = {n: _full(p, self.copy_params) for n, p in self.named}
         if self.calls == 1:
             # A sharded optimizer's own shard: its state_dict() would be a collective.
             self.optim = sharded_optimizers.capture_state(optimizer, self.named) or optimizer_state(optimizer)
@@ -323,7 +350,6 @@ class Capture:
                     optimizer=self.optim, **self.before)
         if self.buckets is not None:
             data["buckets"] = self.buckets.take()
-            data["grads"] = _views_of_buckets(grads, data["buckets"])
         if self.digests is not None:
             data["forward"] = self.digests.take()
             data["forward_dtypes"] = sorted(self.digests.dtypes)
@@ -550,8 +576,10 @@ def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, writ
     model = setup.build_model(spec.dtype)
     named = named_trainable(model)
     optimizer = setup.optimizer(model.parameters())
+    # The judge reads a step's tensors before the run trains on, but the truth's parameters one step later
+    # too (localization starts its pieces from them).
     capture = Capture(optimizer, named, root=root, run_id=spec.run_id, label=spec.label, rank=0,
-                      write=write and not spec.promise)
+                      write=write and not spec.promise, follows_step=True, hold_params=spec.label == "truth")
     if spec.reduce_dtype is not None:
         master = named[0][1].dtype
         for _, p in named:  # the gradient as a reduction in reduce_dtype would leave it
@@ -837,7 +865,8 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
     # The names of the unwrapped model; FSDP2 replaced its parameters in place, so read them now.
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
                       rank=rank, buckets=buckets, module=raw, any_optimizer=trainer is None,
-                      recorder=recorder, keep=trainer.keep if trainer is not None else None, lag=lag)
+                      recorder=recorder, keep=trainer.keep if trainer is not None else None, lag=lag,
+                      follows_step=trainer is not None)
     kept: dict = {}  # a Custom step's own state across its steps (ctx.state)
     # Ranks that share a data-parallel coordinate (a mesh's tensor-parallel group) train the same share.
     shares, share = config.shares, config.share_of(rank, world)

@@ -196,8 +196,10 @@ def _threads(count: int | None) -> Iterator[None]:
 
 def _model_at(setup: Setup, params: dict, buffers: dict | None = None,
               model: torch.nn.Module | None = None) -> torch.nn.Module:
-    """A model holding ``params`` (by trainable name) and ``buffers``: built anew, or ``model`` reset to them."""
-    model = setup.build_model() if model is None else model
+    """A model holding ``params`` (by trainable name) and ``buffers``: built anew, or ``model`` reset to
+    them (built anew too where ``buffers`` does not name every buffer: a reset one would keep a value)."""
+    if model is None or any(name not in (buffers or {}) for name, _ in model.named_buffers()):
+        model = setup.build_model()
     with torch.no_grad():
         for name, p in named_trainable(model):
             p.copy_(params[name])
@@ -266,9 +268,9 @@ def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: l
         torch.set_rng_state(cap["rng"])
         for m, piece in enumerate(micro):
             if every and m:  # DDP left the reduced gradient of the micro-batch before in .grad
-                reduced = _reduced_grads(_with_round(cap, m - 1), dict(named))
+                reduced = _reduced_grads(_with_round(cap, m - 1), dict(named))   # fresh: the model's own
                 for name, p in named:
-                    p.grad = reduced[name].clone()
+                    p.grad = reduced[name]
             loss = _rank_loss(setup, ran(*piece[:-1]), piece[-1], rank, config.world_size)
             if k > 1:
                 loss = loss / k
@@ -281,14 +283,23 @@ def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: l
     return rounds, digests.calls
 
 
-def _reduced_grads(cap: dict, like: dict) -> dict:
+def _reduced_grads(cap: dict, like: dict, into: dict | None = None) -> dict:
     """The gradients the rank's reduced buckets give (DDP copies each bucket back), zero elsewhere:
-    fresh tensors, for a model to own."""
+    tensors for a model to own -- ``into``'s where it has one of the shape and dtype (written over),
+    fresh ones otherwise."""
+    into = into or {}
+
+    def owned(name: str, value: torch.Tensor | None) -> torch.Tensor:
+        spare = into.get(name)
+        if spare is not None and spare.shape == like[name].shape and spare.dtype == like[name].dtype:
+            return spare.copy_(value) if value is not None else spare.zero_()
+        return value.clone() if value is not None else torch.zeros_like(like[name])
+
     grads = {}
     for bucket in cap["buckets"]:
         for name, start, stop in _bucket_params(bucket, like):
-            grads[name] = bucket["result"][start:stop].view_as(like[name]).clone()
-    return {n: grads[n] if n in grads else torch.zeros_like(p) for n, p in like.items()}
+            grads[name] = bucket["result"][start:stop].view_as(like[name])
+    return {n: owned(n, grads.get(n)) for n in like}
 
 
 def _local_fsdp(setup: Setup, config: FSDP2, model: torch.nn.Module, micro: list, cap: dict, rank: int):
@@ -386,14 +397,15 @@ def _replay_reduction(em: _Emitter, config, step, caps: list[dict], emulation, s
                         expected[start:stop])
 
 
-def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_before) -> None:
-    """The update phase of one rank on ``model`` (at the rank's weights and buffers before the step)."""
+def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_before, spare: dict) -> None:
+    """The update phase of one rank on ``model`` (at the rank's weights and buffers before the step);
+    ``spare``: gradient tensors nothing reads any more, written over rather than allocating new ones."""
     named = named_trainable(model)
     with _threads(cap.get("threads")):
         if cap.get("buckets"):
             # What the rank's last reduced buckets give its step: DDP copies each bucket back into
             # the gradients, then the setup's before_step (clipping) runs.
-            grads = _reduced_grads(_with_round(cap, -1), dict(named))
+            grads = _reduced_grads(_with_round(cap, -1), dict(named), into=spare)
             for name, p in named:
                 p.grad = grads.pop(name)
             apply_before_step(setup, model)
@@ -454,15 +466,17 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
         return
     em = _Emitter(config)
     emulation = reduction_emulation(getattr(config, "comm_hook", None)) if not isinstance(config, FSDP2) else None
-    initial = {n: p.detach() for n, p in named_trainable(setup.build_model())}   # where step 0 starts
+    model = setup.build_model()
+    initial = {n: p.detach().clone() for n, p in named_trainable(model)}   # where step 0 starts
     modules_seen: list[str] = []
     compiled = _compiled.compiles(setup, config)
     if compiled:
         _compiled.fresh_compiler()  # the rank compiled from nothing
+        model = None   # a compiled wrap may hook the parameters of the model it ran: each phase builds anew
     rng = torch.get_rng_state()
     try:
         for step in common_steps(*ranks):
-            _replay_step(em, setup, config, ranks, batches, step, initial, modules_seen, emulation, shared)
+            _replay_step(em, setup, config, ranks, batches, step, initial, modules_seen, emulation, shared, model)
             initial = None   # every later step starts from the one before: a model size less held
             mine, em.out = em.out, []   # one step's records at a time
             yield _compiled.unverified_local(mine) if compiled else mine
@@ -471,8 +485,10 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
 
 
 def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, step: int, initial: dict,
-                 modules_seen: list, emulation, shared: Reductions | None) -> None:
-    """Step ``step`` of :func:`replay_records`, every rank, its records into ``em``."""
+                 modules_seen: list, emulation, shared: Reductions | None, model: torch.nn.Module | None) -> None:
+    """Step ``step`` of :func:`replay_records`, every rank, its records into ``em``. Each phase of each
+    rank runs on ``model`` reset to the rank's state before the step -- building one costs seconds
+    for a large model -- or, where it is None (a compiled wrap), on a model built anew."""
     world, k = config.world_size, config.k
     pieces = _data.batch_pieces(setup, batches[step], step, world, k)
     caps = [ranks[r][step] for r in range(world)]
@@ -482,15 +498,14 @@ def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, 
         micro = pieces[rank * k:(rank + 1) * k]
         # DDP broadcasts rank 0's buffers at the start of every forward.
         source = caps[rank] if isinstance(config, FSDP2) else caps[0]
-        model = _model_at(setup, before, source.get("buffers"))
-        _replay_local(em, setup, config, step, rank, caps[rank], model, micro, modules_seen)
-        # The update needs the weights and buffers before the step again. The local phase's model is reset
-        # to them -- building one costs seconds for a large model -- unless a compiled wrap ran its passes
-        # (it may have hooked the parameters).
-        model = _model_at(setup, before, caps[rank].get("buffers"),
-                          model if _compiled.compile_options(config) is None else None)
-        _replay_update(em, setup, config, step, rank, caps[rank], model, optim_before)
-        del model
+        local = _model_at(setup, before, source.get("buffers"), model)
+        _replay_local(em, setup, config, step, rank, caps[rank], local, micro, modules_seen)
+        # The local gradients are compared: their tensors take the update's.
+        spare = {n: p.grad for n, p in named_trainable(local) if p.grad is not None}
+        # The update needs the weights and buffers before the step again.
+        update = _model_at(setup, before, caps[rank].get("buffers"), model)
+        _replay_update(em, setup, config, step, rank, caps[rank], update, optim_before, spare)
+        del local, update, spare
     _sharded.broadcast_records(lambda s, r, name, live, owner: em.bits(s, r, "update", "param", name,
                                                                        live, owner), step, caps)
     if isinstance(config, FSDP2):

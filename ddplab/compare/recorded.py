@@ -27,16 +27,48 @@ from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom
 from ddplab.records import record
 
-__all__ = ["REDUCTIONS", "step_collectives", "collective_records", "compression", "declared_reduce_dtype",
+__all__ = ["REDUCTIONS", "step_collectives", "known_reductions", "collective_records", "compression", "declared_reduce_dtype",
            "reduction_dtypes"]
 
 
 
-def step_collectives(captures: list[dict]) -> list[list]:
-    """Each rank's recorded collectives of one step (its captures), as records, in issue order."""
+def step_collectives(captures: list[dict], known: dict | None = None) -> list[list]:
+    """Each rank's recorded collectives of one step (its captures), as records, in issue order; those
+    ``known`` names by ``(group, sequence)`` without their inputs (:func:`known_reductions`)."""
     from ddplab.compare.runners import collective_record
 
-    return [[collective_record(state) for state in cap.get("collectives", [])] for cap in captures]
+    known = known or {}
+    return [[collective_record(state, inputs=(state.get("group"), state.get("sequence")) not in known)
+             for state in cap.get("collectives", [])] for cap in captures]
+
+
+def known_reductions(captures: list[dict], step: int, shared) -> dict:
+    """``(group, sequence) -> outputs`` of the step's DDP bucket all-reduces that the bucket audit has
+    emulated (``shared``, a :class:`ddplab.compare.replay.Reductions`), for
+    :func:`ddplab.collectives.verify`: every rank's input is its bucket's contribution times 1/W
+    (:class:`~ddplab.compare.captures.Scaled`), and gloo's ring over those is what the audit computed
+    from the contributions with DDP's averaging, bit for bit (``tests/test_compare_recorded.py``)."""
+    from ddplab.compare.captures import Scaled
+
+    groups: dict[tuple, dict[int, tuple]] = {}
+    for cap in captures:
+        for state in cap.get("collectives", []):
+            inputs = (state.get("tensors") or {}).get("inputs") or []
+            members = state.get("group_ranks") or ()
+            if (state.get("type", "CollectiveRecord") != "CollectiveRecord" or state.get("op") != "allreduce"
+                    or state.get("reduce_op") != "sum" or state.get("bucket") is None or len(inputs) != 1
+                    or not isinstance(inputs[0], Scaled) or inputs[0].factor != 1.0 / max(1, len(members))):
+                continue
+            shape = tuple(state["output_shapes"][0]) if state.get("output_shapes") else None
+            groups.setdefault((state["group"], state["sequence"]), {})[state["group_rank"]] = (inputs[0].base, shape)
+    known = {}
+    for key, by_rank in groups.items():
+        if sorted(by_rank) != list(range(len(captures))):
+            continue   # the audit's contributions are every rank's, in rank order
+        expected = shared.peek(step, [by_rank[r][0] for r in range(len(captures))])
+        if expected is not None:
+            known[key] = [[expected.view(by_rank[r][1] or expected.shape)] for r in range(len(captures))]
+    return known
 
 
 def _dtype_name(dtype) -> str | None:
@@ -73,8 +105,10 @@ def reduction_dtypes(captures: list[dict]) -> set[str]:
             and state.get("dtype") and getattr(torch, state["dtype"]).is_floating_point}
 
 
-def collective_records(config: Configuration, ranks: list, model_dtype: torch.dtype) -> StepRecords:
-    """Verify every step's collectives of every rank (``ranks[r][step]``) and check their dtypes."""
+def collective_records(config: Configuration, ranks: list, model_dtype: torch.dtype, shared=None) -> StepRecords:
+    """Verify every step's collectives of every rank (``ranks[r][step]``) and check their dtypes; a DDP
+    bucket's all-reduce against the bucket audit's emulation of it where ``shared`` holds one
+    (:func:`known_reductions`), not emulated again."""
     from ddplab.collectives import verify
 
     declared = declared_reduce_dtype(config, model_dtype)
@@ -82,10 +116,12 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
     axis_of = getattr(config, "axis_of", None)  # a mesh's collectives are named by the axis they span
 
     def verified(step: int) -> list[dict]:   # a function: the step's records and tensors die with it
-        recs = step_collectives([r[step] for r in ranks])
+        captures = [r[step] for r in ranks]
+        known = known_reductions(captures, step, shared) if shared is not None else {}
+        recs = step_collectives(captures, known)
         if not any(recs):
             return []
-        result = verify(recs)
+        result = verify(recs, known)
         # Collectives issued before the first step (DDP's broadcast of the weights) belong to step 0.
         out = [dict(row, step=step if row.get("step") is None else row["step"], **labels,
                     **({"axis": axis_of(row.get("group", "?"))} if axis_of else {})) for row in result.records]

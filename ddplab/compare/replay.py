@@ -112,6 +112,10 @@ class Reductions:
             self._step, self._items = step, {}
         return self._items.setdefault(tuple(map(id, contributions)), _ddp_default(stacked))
 
+    def peek(self, step: int, contributions: list[torch.Tensor]) -> torch.Tensor | None:
+        """What :meth:`of` emulated for these contributions at ``step`` (kept), or None."""
+        return self._items.get(tuple(map(id, contributions))) if step == self._step else None
+
     def take(self, step: int, contributions: list[torch.Tensor]) -> torch.Tensor | None:
         """What :meth:`of` emulated for these contributions at ``step`` (then forgotten), or None."""
         return self._items.pop(tuple(map(id, contributions)), None) if step == self._step else None

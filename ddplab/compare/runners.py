@@ -452,15 +452,16 @@ def collective_state(record) -> dict:
     return state
 
 
-def collective_record(state: dict):
-    """The :class:`ddplab.collectives.CollectiveRecord` or ``HookResult`` :func:`collective_state` wrote."""
+def collective_record(state: dict, inputs: bool = True):
+    """The :class:`ddplab.collectives.CollectiveRecord` or ``HookResult`` :func:`collective_state` wrote
+    (without its input tensors unless ``inputs``)."""
     from ddplab.collectives import CollectiveRecord, HookResult
     from ddplab.compare.captures import Scaled
 
     state = dict(state)
     if state.get("tensors"):   # a Scaled input is computed here, for as long as the record lives
         state["tensors"] = {key: [t.value() if isinstance(t, Scaled) else t for t in tensors]
-                            for key, tensors in state["tensors"].items()}
+                            for key, tensors in state["tensors"].items() if inputs or key != "inputs"}
     cls = {"CollectiveRecord": CollectiveRecord, "HookResult": HookResult}[state.pop("type")]
     return cls(**state)
 

@@ -9,6 +9,7 @@ from ddplab.compare import DDP
 from ddplab.compare.captures import Scaled
 from ddplab.compare.recorded import collective_records, known_reductions
 from ddplab.compare.replay import Reductions, _ddp_default
+from ddplab.numerics.contributions import Contributions
 
 
 def _wide(n: int, generator) -> torch.Tensor:
@@ -25,6 +26,8 @@ def test_the_audits_averaged_ring_is_the_all_reduce_of_the_inputs_times_one_over
     g = torch.Generator().manual_seed(world)
     local = [_wide(200_003, g) for _ in range(world)]
     audit = _ddp_default(torch.stack(local))
+    unstacked = _ddp_default(Contributions.unstacked(local))   # the audit's way: a column block at a time
+    assert torch.equal(unstacked.view(torch.int32), audit.view(torch.int32))
     inputs = [[Scaled(t, 1.0 / world).value()] for t in local]
     collective = emulate("allreduce", inputs, [[tuple(audit.shape)]] * world, reduce_op="sum", root=None,
                          extra=[{}] * world)

@@ -201,6 +201,7 @@ def _reduction_steps(config: Configuration, ranks: list, shared: _replay.Reducti
     against the exact sum and the bounds too. The order's result is kept in ``shared`` for the replay,
     which checks the same reduction."""
     from ddplab.numerics import error_records, matches_order, records_of
+    from ddplab.numerics.contributions import Contributions
     from ddplab.numerics.orders import DDP_AVERAGING
 
     def measured(step: int) -> list[dict]:   # a function: nothing of the step outlives it
@@ -210,15 +211,16 @@ def _reduction_steps(config: Configuration, ranks: list, shared: _replay.Reducti
             if not all(index in other for other in by_rank):
                 continue
             local = [other[index]["local"] for other in by_rank]
-            contributions = torch.stack(local)
+            contributions = Contributions.unstacked(local)   # read a column block at a time, never stacked
             how = dict(op="avg", averaging=DDP_AVERAGING)
             expected = shared.of(step, local, contributions)
             labels = dict(step=step, rank=0, bucket=index, config=config.label, params=bucket["params"],
                           collective="allreduce")
             bits = matches_order(bucket["result"], contributions, "gloo_ring", expected=expected, **how)
             out += (records_of(bits, bucket["result"], contributions, "gloo_ring", **how, **labels)
-                    if bits is not None else
-                    error_records(bucket["result"], contributions, "gloo_ring", expected=expected, **how, **labels))
+                    if bits is not None else   # measured whole: only a bucket whose bits differ
+                    error_records(bucket["result"], torch.stack(local), "gloo_ring", expected=expected, **how,
+                                  **labels))
         return out
 
     for step in common_steps(*ranks):

@@ -106,11 +106,15 @@ class Reductions:
         self._step: int | None = None
         self._items: dict[tuple, torch.Tensor] = {}
 
-    def of(self, step: int, contributions: list[torch.Tensor], stacked: torch.Tensor) -> torch.Tensor:
-        """The reduction of ``contributions`` (``stacked``: them as one ``(W, n)`` tensor), kept for :meth:`take`."""
+    def of(self, step: int, contributions: list[torch.Tensor], together) -> torch.Tensor:
+        """The reduction of ``contributions`` (``together``: them as one ``(W, n)`` tensor or
+        :class:`~ddplab.numerics.contributions.Contributions`), kept for :meth:`take`."""
         if step != self._step:
             self._step, self._items = step, {}
-        return self._items.setdefault(tuple(map(id, contributions)), _ddp_default(stacked))
+        key = tuple(map(id, contributions))
+        if key not in self._items:
+            self._items[key] = _ddp_default(together)
+        return self._items[key]
 
     def peek(self, step: int, contributions: list[torch.Tensor]) -> torch.Tensor | None:
         """What :meth:`of` emulated for these contributions at ``step`` (kept), or None."""

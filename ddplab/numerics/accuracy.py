@@ -561,7 +561,7 @@ def error_records(result, contributions, order: str | None, *, op: str = "sum", 
 def matches_order(result, contributions, order: str, *, op: str = "sum", averaging: str | None = None,
                   reduce_dtype=None, expected=None, **options) -> dict | None:
     """:func:`measure`'s numbers for a finite ``result`` that holds, bit for bit, what the bit-exact
-    ``order`` gives for ``contributions`` (a ``[W, N]`` tensor): the bits' alone -- ``numel``,
+    ``order`` gives for ``contributions`` (a ``[W, N]`` tensor or :class:`Contributions`): the bits' alone -- ``numel``,
     ``frac_matches_order`` 1, ``differs_count`` 0, ``first_differs`` -1, no NaN, no overflow,
     classification "rounding" by bitwise evidence. None otherwise: then measure it whole.
 
@@ -569,13 +569,17 @@ def matches_order(result, contributions, order: str, *, op: str = "sum", averagi
     tensor, and for a result the order reproduces they describe the order's own rounding, not this
     result: a caller that judges many large reductions (``ddplab.compare``'s bucket audit) measures
     whole only those whose bits differ."""
-    if order not in BIT_EXACT_ORDERS or not (isinstance(contributions, torch.Tensor) and contributions.dim() == 2):
+    if order not in BIT_EXACT_ORDERS or not (isinstance(contributions, torch.Tensor) and contributions.dim() == 2
+                                             or isinstance(contributions, Contributions)):
         return None
     result = result.detach().cpu().reshape(-1)
     if not bool(torch.isfinite(result.sum())) and not bool(torch.isfinite(result).all()):
         return None
     if expected is None:
-        c = contributions if reduce_dtype is None else contributions.to(parse_dtype(reduce_dtype))
+        c = contributions
+        if reduce_dtype is not None:
+            narrow = parse_dtype(reduce_dtype)
+            c = c.to(narrow) if isinstance(c, torch.Tensor) else c.map(lambda t: t.to(narrow), dtype=narrow)
         expected = reduce(c, order, op=op, averaging=None if order == "exact" else averaging, **options)
     expected = expected.detach().cpu().reshape(-1)
     if not identical(result, expected):   # finite: no NaN payload to tell apart

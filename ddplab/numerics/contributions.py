@@ -101,6 +101,16 @@ class Contributions:
         self.numel = numel
         self.dtype = dtype
 
+    @classmethod
+    def unstacked(cls, rows: Sequence[torch.Tensor]) -> "Contributions":
+        """W tensors of one dtype and numel, each rank's, read a column block at a time: never stacked
+        into one ``[W, N]`` tensor (W sizes of the data less held for a large reduction)."""
+        flat = [t.reshape(-1) for t in rows]
+        if not flat or len({(t.numel(), t.dtype) for t in flat}) != 1:
+            raise ValueError("unstacked contributions need at least one tensor, all of one numel and dtype")
+        return cls(lambda r, start, stop: flat[r][start:stop], len(flat), kind="slices", numel=flat[0].numel(),
+                   dtype=flat[0].dtype)
+
     def _init_tensor(self, x: torch.Tensor, world_size: int | None) -> None:
         if x.dim() != 2:
             raise ValueError(f"a contributions tensor must be [W, N] (one row per rank), got shape {tuple(x.shape)}")

@@ -125,3 +125,58 @@ def test_real_ddp_buckets_large_enough_to_be_written_whole_are_verified_against_
     rows = result.records[(result.records["metric"] == "collective_elements_differing")
                           & (result.records["op"] == "allreduce")]
     assert set(rows["step"]) == {0, 1, 2} and (rows["value"] == 0).all()
+    # DDP's broadcast of the weights, written as the initial weights the parent builds, verified on both ranks.
+    broadcast = result.records[(result.records["metric"] == "collective_elements_differing")
+                               & (result.records["op"] == "broadcast")]
+    assert set(broadcast["rank"]) == {0, 1} and (broadcast["value"] == 0).all()
+
+
+def test_a_broadcast_of_the_initial_weights_is_written_as_a_marker_and_read_back_from_them():
+    from ddplab.compare.captures import InitialWeights
+
+    g = torch.Generator().manual_seed(3)
+    initial = torch.randn(300_000, generator=g)
+    first, second = initial[:200_000].clone(), initial[200_000:].clone()
+    other = first.clone()
+    other.view(torch.int32)[5] += 1                                       # one ulp off the weights
+    states = [dict(tensors=dict(inputs=[first.clone()], outputs=[first.clone()])),   # a bucket, in place
+              dict(tensors=dict(inputs=[second.clone()], outputs=[second.clone()])),  # the next bucket
+              dict(tensors=dict(inputs=[other], outputs=[initial[:70_000].double()]))]
+    InitialWeights.mark(states, initial)
+    assert [s["tensors"]["inputs"][0] for s in states[:2]] == [InitialWeights(0, 200_000), InitialWeights(200_000, 100_000)]
+    assert states[0]["tensors"]["outputs"][0] == InitialWeights(0, 200_000)
+    assert states[2]["tensors"]["inputs"][0] is other                    # not the weights' bits: written whole
+    assert isinstance(states[2]["tensors"]["outputs"][0], torch.Tensor)   # another dtype
+    assert torch.equal(InitialWeights(200_000, 100_000).value(initial), second)
+
+
+def test_a_broadcast_written_as_the_initial_weights_verifies_and_one_that_differs_is_caught():
+    from ddplab.compare.captures import InitialWeights
+
+    g = torch.Generator().manual_seed(4)
+    initial = torch.randn(100_000, generator=g)
+    wrong = initial.clone()
+    wrong.view(torch.int32)[9] += 1
+
+    def ranks(rank_1_output):
+        out = []
+        for rank, output in enumerate([InitialWeights(0, 100_000), rank_1_output]):
+            state = dict(type="CollectiveRecord", rank=rank, index=0, step=None, op="broadcast", c10d_op="broadcast_",
+                         group="0", group_ranks=(0, 1), group_rank=rank, sequence=1, root=0, dtype="float32",
+                         input_shapes=((100_000,),), output_shapes=((100_000,),), input_digests=(),
+                         output_digests=(), tensors=dict(inputs=[InitialWeights(0, 100_000)], outputs=[output]))
+            out.append([dict(collectives=[state])])
+        return out
+
+    built = []
+
+    def weights():
+        built.append(1)
+        return initial
+
+    assert _differing(collective_records(DDP(2), ranks(InitialWeights(0, 100_000)), torch.float32,
+                                         initial=weights)) == {0: 0, 1: 0}
+    assert len(built) == 1                                               # built once for the step
+    assert _differing(collective_records(DDP(2), ranks(wrong), torch.float32, initial=weights)) == {0: 0, 1: 1}
+    with pytest.raises(ValueError, match="without them"):
+        list(collective_records(DDP(2), ranks(wrong), torch.float32))

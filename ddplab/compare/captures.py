@@ -26,7 +26,8 @@ import torch
 
 __all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
            "read_capture", "capture_size", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits",
-           "Scaled", "SameAs", "same_as", "large_tensors", "resolve_same_as", "RecentSteps"]
+           "Scaled", "SameAs", "same_as", "large_tensors", "resolve_same_as", "RecentSteps", "InitialWeights",
+           "initial_weights", "resolve_initial"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
@@ -139,6 +140,55 @@ class Scaled:
             return None
         scaled = cls(base, factor)
         return scaled if same_bits(scaled.value(), x) else None
+
+
+def initial_weights(module: torch.nn.Module) -> torch.Tensor | None:
+    """The model's trainable parameters flattened one after another, as one tensor (None when they are
+    not all of one floating dtype): what DDP broadcasts from rank 0 when it wraps the model, before any
+    step. Every rank and the parent build these bits (checked by digest before any step)."""
+    from ddplab.compare.setup import named_trainable
+
+    params = [p.detach().reshape(-1) for _, p in named_trainable(module)]
+    if not params or len({p.dtype for p in params}) != 1 or not params[0].is_floating_point():
+        return None
+    return torch.cat(params)
+
+
+@dataclasses.dataclass(frozen=True)
+class InitialWeights:
+    """A tensor of a capture whose bits are elements ``offset .. offset + numel`` of the model's
+    :func:`initial_weights` (DDP's broadcast of them when it wraps the model): written as this marker, read
+    back by whoever holds the initial weights (:meth:`value`). The rank compared the bits when it wrote it."""
+
+    offset: int
+    numel: int
+
+    def value(self, initial: torch.Tensor) -> torch.Tensor:
+        return initial[self.offset:self.offset + self.numel]
+
+    @staticmethod
+    def mark(collectives: list[dict], initial: torch.Tensor) -> None:
+        """Write every large tensor of ``collectives`` (recorded states, in issue order) that holds a run of
+        ``initial``'s bits as an :class:`InitialWeights`, in place. A broadcast's input and output hold the
+        same run, and its next bucket the run after it: those places are tried, and the start."""
+        bits, tried = bits_view(initial), {0}
+        for state in collectives:
+            for key, tensors in (state.get("tensors") or {}).items():
+                for i, t in enumerate(tensors):
+                    if not isinstance(t, torch.Tensor) or _packable(t) or t.dtype != initial.dtype \
+                            or t.dim() != 1 or t.numel() > initial.numel() or bits_view(t) is None:
+                        continue
+                    for offset in sorted(tried):
+                        if offset + t.numel() <= initial.numel() and torch.equal(
+                                bits_view(t), bits[offset:offset + t.numel()]):
+                            tensors[i] = InitialWeights(offset, t.numel())
+                            tried.add(offset + t.numel())
+                            break
+
+
+def resolve_initial(data, initial: Callable[[], torch.Tensor]):
+    """``data`` with every :class:`InitialWeights` replaced by its elements of ``initial()``."""
+    return _walk(data, lambda x: x.value(initial()) if isinstance(x, InitialWeights) else x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ from ddplab import launcher as _launcher
 from ddplab import records as _records
 from ddplab.compare import finite as _finite
 from ddplab.compare import recorded as _recorded
-from ddplab.compare.captures import CaptureCache, StepRecords, common_steps, has_step, in_step
+from ddplab.compare.captures import CaptureCache, StepRecords, common_steps, has_step, in_step, initial_weights
 from ddplab.compare.streaming import LAG, Pass
 from ddplab.compare import data as _data
 from ddplab.compare import footprint as _footprint
@@ -568,6 +568,11 @@ class _Session:
         self.stopped = True
         return True
 
+    def _initial_weights(self) -> torch.Tensor:
+        """The model's initial weights as DDP broadcasts them (:func:`~ddplab.compare.captures.initial_weights`):
+        built again where asked, never held -- the ranks write them as a marker, not as bytes."""
+        return initial_weights(self.setup.build_model())
+
     def _judge(self, config: Configuration, streamed: Pass, run_id: str, against: StepRecords,
                variant_ids: dict) -> tuple[list[dict], dict, dict]:
         """Every source of ``config``'s evidence, a step at a time as the pass's runs write them: what is
@@ -589,7 +594,7 @@ class _Session:
 
         references, found, reductions, collectives, mesh, replayed, *mine = in_step(
             against, finite, _reduction_steps(config, ranks, shared),
-            _recorded.collective_records(config, ranks, dtype, shared), _mesh_evidence.mesh_records(config, ranks, dtype),
+            _recorded.collective_records(config, ranks, dtype, shared, self._initial_weights), _mesh_evidence.mesh_records(config, ranks, dtype),
             _replay.replay_records(self.setup, config, ranks, batches, shared), *twin.values(), judged=judged)
         own = dict(zip(twin, mine))
         references, own["float64"] = self._note_judged(references)

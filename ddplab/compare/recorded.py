@@ -32,14 +32,16 @@ __all__ = ["REDUCTIONS", "step_collectives", "known_reductions", "collective_rec
 
 
 
-def step_collectives(captures: list[dict], known: dict | None = None) -> list[list]:
+def step_collectives(captures: list[dict], known: dict | None = None, initial=None) -> list[list]:
     """Each rank's recorded collectives of one step (its captures), as records, in issue order; those
-    ``known`` names by ``(group, sequence)`` without their inputs (:func:`known_reductions`)."""
+    ``known`` names by ``(group, sequence)`` without their inputs (:func:`known_reductions`).
+    ``initial()``: the model's initial weights (what DDP broadcasts, written as
+    :class:`~ddplab.compare.captures.InitialWeights`)."""
     from ddplab.compare.runners import collective_record
 
     known = known or {}
-    return [[collective_record(state, inputs=(state.get("group"), state.get("sequence")) not in known)
-             for state in cap.get("collectives", [])] for cap in captures]
+    return [[collective_record(state, inputs=(state.get("group"), state.get("sequence")) not in known,
+                               initial=initial) for state in cap.get("collectives", [])] for cap in captures]
 
 
 def known_reductions(captures: list[dict], step: int, shared) -> dict:
@@ -105,10 +107,13 @@ def reduction_dtypes(captures: list[dict]) -> set[str]:
             and state.get("dtype") and getattr(torch, state["dtype"]).is_floating_point}
 
 
-def collective_records(config: Configuration, ranks: list, model_dtype: torch.dtype, shared=None) -> StepRecords:
+def collective_records(config: Configuration, ranks: list, model_dtype: torch.dtype, shared=None,
+                       initial=None) -> StepRecords:
     """Verify every step's collectives of every rank (``ranks[r][step]``) and check their dtypes; a DDP
     bucket's all-reduce against the bucket audit's emulation of it where ``shared`` holds one
-    (:func:`known_reductions`), not emulated again."""
+    (:func:`known_reductions`), not emulated again. ``initial()`` builds the model's initial weights
+    (:func:`~ddplab.compare.captures.initial_weights`), which the first step's broadcast is written as;
+    it is called at most once a step."""
     from ddplab.collectives import verify
 
     declared = declared_reduce_dtype(config, model_dtype)
@@ -118,7 +123,14 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
     def verified(step: int) -> list[dict]:   # a function: the step's records and tensors die with it
         captures = [r[step] for r in ranks]
         known = known_reductions(captures, step, shared) if shared is not None else {}
-        recs = step_collectives(captures, known)
+        built: list = []   # the initial weights, for this step only
+
+        def weights():
+            if not built:
+                built.append(initial())
+            return built[0]
+
+        recs = step_collectives(captures, known, weights if initial is not None else None)
         if not any(recs):
             return []
         result = verify(recs, known)

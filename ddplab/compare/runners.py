@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from ddplab import records as _records
 from ddplab.compare import sharded_optimizers
+from ddplab.compare.captures import InitialWeights, initial_weights
 from ddplab.compare.compiled import compile_wrapped, eager, outside_compile, plain_name
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric, StepContext
 from ddplab.compare.data import batch_pieces, rank_micro_batches, reference_parts, shares_world
@@ -256,8 +257,10 @@ class Capture:
                  label: str, rank: int, buckets: BucketCapture | None = None,
                  module: torch.nn.Module | None = None, any_optimizer: bool = False,
                  recorder: Any = None, keep: Callable[[], dict] | None = None, lag: int | None = None,
-                 write: bool = True, follows_step: bool = False, hold_params: bool = False):
+                 write: bool = True, follows_step: bool = False, hold_params: bool = False,
+                 initial: torch.Tensor | None = None):
         self.named = named
+        self.initial = initial   # the model's initial weights until the first step's collectives are written
         self.copy_params = not follows_step or hold_params
         self.copy_grads = not (follows_step and leaves_gradients_alone(optimizer))
         self.lag = lag   # not None: after writing a step, wait for the parent (ddplab.compare.streaming)
@@ -355,8 +358,11 @@ class Capture:
             data["forward_dtypes"] = sorted(self.digests.dtypes)
         if self.recorder is not None:
             data["collectives"] = [collective_state(r) for r in self.recorder.take()]
+            if self.initial is not None:   # DDP's broadcast of the weights: the parent builds them too
+                InitialWeights.mark(data["collectives"], self.initial)
             if "buckets" in data:
                 _scaled_inputs(data["collectives"], data["buckets"])
+        self.initial = None
         if self.keep is not None:
             data.update(self.keep())
         if self.write:
@@ -452,15 +458,25 @@ def collective_state(record) -> dict:
     return state
 
 
-def collective_record(state: dict, inputs: bool = True):
+def collective_record(state: dict, inputs: bool = True, initial: Callable[[], torch.Tensor] | None = None):
     """The :class:`ddplab.collectives.CollectiveRecord` or ``HookResult`` :func:`collective_state` wrote
-    (without its input tensors unless ``inputs``)."""
+    (without its input tensors unless ``inputs``); ``initial()``: the model's initial weights, which an
+    :class:`~ddplab.compare.captures.InitialWeights` stands for."""
     from ddplab.collectives import CollectiveRecord, HookResult
     from ddplab.compare.captures import Scaled
 
+    def value(t):   # a Scaled input is computed here, for as long as the record lives
+        if isinstance(t, Scaled):
+            return t.value()
+        if isinstance(t, InitialWeights):
+            if initial is None:
+                raise ValueError("a capture holding the initial weights is read without them")
+            return t.value(initial())
+        return t
+
     state = dict(state)
-    if state.get("tensors"):   # a Scaled input is computed here, for as long as the record lives
-        state["tensors"] = {key: [t.value() if isinstance(t, Scaled) else t for t in tensors]
+    if state.get("tensors"):
+        state["tensors"] = {key: [value(t) for t in tensors]
                             for key, tensors in state["tensors"].items() if inputs or key != "inputs"}
     cls = {"CollectiveRecord": CollectiveRecord, "HookResult": HookResult}[state.pop("type")]
     return cls(**state)
@@ -857,6 +873,8 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
     if model_digest(raw) != digest and variant != "float64":
         raise SetupError(f"rank {rank} built a model whose initial weights differ from the reference's: "
                          "setup.model() must build the same weights in every process")
+    # What the wrap may broadcast: the parent builds it too, so the run's first capture need not hold it.
+    initial = initial_weights(raw) if variant == "run" else None
     trainer = _trainer(raw, setup, config)
     if trainer is None:
         model, buckets = _custom_model(raw, config)
@@ -867,7 +885,8 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
     capture = Capture(optimizer, named_trainable(raw), root=root, run_id=run_id, label=config.label,
                       rank=rank, buckets=buckets, module=raw, any_optimizer=trainer is None,
                       recorder=recorder, keep=trainer.keep if trainer is not None else None, lag=lag,
-                      follows_step=trainer is not None)
+                      follows_step=trainer is not None, initial=initial)
+    del initial
     kept: dict = {}  # a Custom step's own state across its steps (ctx.state)
     # Ranks that share a data-parallel coordinate (a mesh's tensor-parallel group) train the same share.
     shares, share = config.shares, config.share_of(rank, world)

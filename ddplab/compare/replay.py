@@ -500,6 +500,9 @@ def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, 
     world, k = config.world_size, config.k
     pieces = _data.batch_pieces(setup, batches[step], step, world, k)
     caps = [ranks[r][step] for r in range(world)]
+    # The reductions first: the emulation a source before this one kept is then dropped before the
+    # ranks' phases hold a model and its gradients.
+    _replay_reductions(em, config, step, caps, emulation, shared)
     for rank in range(world):
         before = initial if step == 0 else ranks[rank][step - 1]["params"]
         optim_before = None if step == 0 else ranks[rank][step - 1].get("optimizer")
@@ -513,9 +516,17 @@ def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, 
         # The update needs the weights and buffers before the step again.
         update = _model_at(setup, before, caps[rank].get("buffers"), model)
         _replay_update(em, setup, config, step, rank, caps[rank], update, optim_before, spare)
+        for _, p in named_trainable(update):
+            p.grad = None   # nothing of the step is held while the sources after this one run
         del local, update, spare
     _sharded.broadcast_records(lambda s, r, name, live, owner: em.bits(s, r, "update", "param", name,
                                                                        live, owner), step, caps)
+
+
+def _replay_reductions(em, config: Configuration, step: int, caps: list[dict], emulation,
+                       shared: Reductions | None) -> None:
+    """The reduction phase of every rank at ``step``: each bucket's result against the emulation."""
+    world = config.world_size
     if isinstance(config, FSDP2):
         return  # the ranks' audit measured every reduce-scatter bit for bit
     if emulation is None:

@@ -873,8 +873,9 @@ def _train(setup: Setup, config: Configuration, steps: int, root: str, run_id: s
     if model_digest(raw) != digest and variant != "float64":
         raise SetupError(f"rank {rank} built a model whose initial weights differ from the reference's: "
                          "setup.model() must build the same weights in every process")
-    # What the wrap may broadcast: the parent builds it too, so the run's first capture need not hold it.
-    initial = initial_weights(raw) if variant == "run" else None
+    # What DDP broadcasts when it wraps the model: the parent builds it too, so the run's first capture
+    # need not hold it. (A sharding wrap broadcasts nothing, and holds no whole copy of the model.)
+    initial = initial_weights(raw) if variant == "run" and isinstance(config, (DDP, Fabric, Custom)) else None
     trainer = _trainer(raw, setup, config)
     if trainer is None:
         model, buckets = _custom_model(raw, config)

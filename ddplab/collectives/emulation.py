@@ -84,7 +84,7 @@ def _allreduce_coalesced(inputs, shapes, reduce_op, root, extra):
 
 
 def _broadcast(inputs, shapes, reduce_op, root, extra):
-    return [[t.clone() for t in inputs[root]] for _ in shapes]
+    return [list(inputs[root]) for _ in shapes]
 
 
 def _allgather(inputs, shapes, reduce_op, root, extra):
@@ -139,7 +139,7 @@ def _all_to_all_single(inputs, shapes, reduce_op, root, extra):
 
 
 def _all_to_all(inputs, shapes, reduce_op, root, extra):
-    return [[inputs[s][r].clone() for s in range(len(inputs))] for r in range(len(shapes))]
+    return [[inputs[s][r] for s in range(len(inputs))] for r in range(len(shapes))]
 
 
 def _gather(inputs, shapes, reduce_op, root, extra):
@@ -148,7 +148,7 @@ def _gather(inputs, shapes, reduce_op, root, extra):
 
 
 def _scatter(inputs, shapes, reduce_op, root, extra):
-    return [[inputs[root][r].clone()] for r in range(len(shapes))]
+    return [[inputs[root][r]] for r in range(len(shapes))]
 
 
 def _barrier(inputs, shapes, reduce_op, root, extra):
@@ -180,7 +180,9 @@ def emulate(op: str, inputs: Inputs, output_shapes: list[tuple], *, reduce_op: s
     """Every group rank's expected outputs of ``op``, from every group rank's inputs (index = group rank).
 
     ``output_shapes[r]`` are rank r's recorded output shapes; ``extra[r]`` its
-    op-specific record (all-to-all splits). Raises :class:`Unverifiable`.
+    op-specific record (all-to-all splits). Raises :class:`Unverifiable`. What a
+    collective only moves is returned as the input tensors themselves (a broadcast's
+    W outputs are the root's input, not W copies of it): read them, never write them.
     """
     if op not in _EMULATIONS:
         raise Unverifiable(f"{op} is not emulated")

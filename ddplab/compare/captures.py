@@ -138,8 +138,19 @@ class Scaled:
         """``x`` as ``base`` times ``factor`` when that product holds ``x``'s bits, else None."""
         if base.dtype != x.dtype or base.shape != x.shape or base.device != x.device or bits_view(x) is None:
             return None
-        scaled = cls(base, factor)
-        return scaled if same_bits(scaled.value(), x) else None
+        if bits_view(base) is None:
+            return None
+        # A block at a time: the product is compared, never held whole (a model size less in a rank).
+        flat_x, flat_base = x.detach().reshape(-1), base.detach().reshape(-1)
+        for start in range(0, max(1, flat_x.numel()), _SCALED_BLOCK):
+            piece = flat_base[start:start + _SCALED_BLOCK].mul(factor)
+            if not same_bits(piece, flat_x[start:start + _SCALED_BLOCK]):
+                return None
+        return cls(base, factor)
+
+
+#: Elements of :meth:`Scaled.of`'s product computed at a time.
+_SCALED_BLOCK = 1 << 20
 
 
 def initial_weights(module: torch.nn.Module) -> torch.Tensor | None:

@@ -143,7 +143,8 @@ def test_a_broadcast_of_the_initial_weights_is_written_as_a_marker_and_read_back
               dict(tensors=dict(inputs=[second.clone()], outputs=[second.clone()])),  # the next bucket
               dict(tensors=dict(inputs=[other], outputs=[initial[:70_000].double()]))]
     InitialWeights.mark(states, initial)
-    assert [s["tensors"]["inputs"][0] for s in states[:2]] == [InitialWeights(0, 200_000), InitialWeights(200_000, 100_000)]
+    assert [s["tensors"]["inputs"][0] for s in states[:2]] == [InitialWeights(0, 200_000),
+                                                                InitialWeights(200_000, 100_000)]
     assert states[0]["tensors"]["outputs"][0] == InitialWeights(0, 200_000)
     assert states[2]["tensors"]["inputs"][0] is other                    # not the weights' bits: written whole
     assert isinstance(states[2]["tensors"]["outputs"][0], torch.Tensor)   # another dtype

@@ -34,6 +34,7 @@ import torch._C._distributed_c10d as c10d
 
 from ddplab.collectives.ops import POINT_TO_POINT, OpSpec
 from ddplab.collectives.record import CollectiveRecord, HookResult, tensor_digest
+from ddplab.collectives.verification import _bits   # bitwise equality, as verification compares
 
 __all__ = ["Recorder", "recording", "active_recorder", "set_step"]
 
@@ -46,13 +47,6 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 #: How many of the last records :meth:`Recorder.held_copy` looks through (a hook's collectives are its last).
 _HELD_RECENT = 4
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as integers of its element size (bitwise equality: -0.0 is not 0.0, NaN equals its own bits)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    t = t.detach()
-    return t.view(ints[t.element_size()]) if t.dtype.is_floating_point else t
 
 
 def _reduce_op(obj) -> str:

@@ -27,7 +27,7 @@ import torch
 __all__ = ["CaptureCache", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
            "read_capture", "capture_size", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits",
            "Scaled", "SameAs", "same_as", "large_tensors", "resolve_same_as", "RecentSteps", "InitialWeights",
-           "initial_weights", "resolve_initial"]
+           "initial_weights"]
 
 #: Tensors of at most this many elements are packed into one buffer per dtype when a capture is
 #: written: a capture holds hundreds of small tensors (a parameter's gradient, a collective's inputs),
@@ -195,11 +195,6 @@ class InitialWeights:
                             tensors[i] = InitialWeights(offset, t.numel())
                             tried.add(offset + t.numel())
                             break
-
-
-def resolve_initial(data, initial: Callable[[], torch.Tensor]):
-    """``data`` with every :class:`InitialWeights` replaced by its elements of ``initial()``."""
-    return _walk(data, lambda x: x.value(initial()) if isinstance(x, InitialWeights) else x)
 
 
 @dataclasses.dataclass(frozen=True)

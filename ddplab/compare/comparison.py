@@ -594,7 +594,8 @@ class _Session:
 
         references, found, reductions, collectives, mesh, replayed, *mine = in_step(
             against, finite, _reduction_steps(config, ranks, shared),
-            _recorded.collective_records(config, ranks, dtype, shared, self._initial_weights), _mesh_evidence.mesh_records(config, ranks, dtype),
+            _recorded.collective_records(config, ranks, dtype, shared, self._initial_weights),
+            _mesh_evidence.mesh_records(config, ranks, dtype),
             _replay.replay_records(self.setup, config, ranks, batches, shared), *twin.values(), judged=judged)
         own = dict(zip(twin, mine))
         references, own["float64"] = self._note_judged(references)

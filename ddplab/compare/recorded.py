@@ -27,8 +27,8 @@ from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom
 from ddplab.records import record
 
-__all__ = ["REDUCTIONS", "step_collectives", "known_reductions", "collective_records", "compression", "declared_reduce_dtype",
-           "reduction_dtypes"]
+__all__ = ["REDUCTIONS", "step_collectives", "known_reductions", "collective_records", "compression",
+           "declared_reduce_dtype", "reduction_dtypes"]
 
 
 

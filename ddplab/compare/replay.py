@@ -474,10 +474,10 @@ def replay_records(setup: Setup, config: Configuration, ranks: list[list[dict]],
         return
     em = _Emitter(config)
     emulation = reduction_emulation(getattr(config, "comm_hook", None)) if not isinstance(config, FSDP2) else None
+    compiled = _compiled.compiles(setup, config)   # asked first: answering may build a model of its own
     model = setup.build_model()
     initial = {n: p.detach().clone() for n, p in named_trainable(model)}   # where step 0 starts
     modules_seen: list[str] = []
-    compiled = _compiled.compiles(setup, config)
     if compiled:
         _compiled.fresh_compiler()  # the rank compiled from nothing
         model = None   # a compiled wrap may hook the parameters of the model it ran: each phase builds anew

@@ -18,6 +18,8 @@ each (step, reduction op, dtype) seen.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # The collectives that reduce (the ones a reduce dtype governs): every form the recorder names,
@@ -123,14 +125,8 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
     def verified(step: int) -> list[dict]:   # a function: the step's records and tensors die with it
         captures = [r[step] for r in ranks]
         known = known_reductions(captures, step, shared) if shared is not None else {}
-        built: list = []   # the initial weights, for this step only
-
-        def weights():
-            if not built:
-                built.append(initial())
-            return built[0]
-
-        recs = step_collectives(captures, known, weights if initial is not None else None)
+        weights = functools.cache(initial) if initial is not None else None   # built once, for this step only
+        recs = step_collectives(captures, known, weights)
         if not any(recs):
             return []
         result = verify(recs, known)

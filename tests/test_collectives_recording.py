@@ -130,6 +130,27 @@ def _dtensor(rec, g):
     funcol.wait_tensor(funcol.all_reduce(torch.randn(9, generator=g), "sum", mesh))
 
 
+class _Doubled:
+    """What a caller holds of an input that is ``base`` times 2, kept by the recording in its place."""
+
+    def __init__(self, base: torch.Tensor):
+        self.base = base
+
+    def value(self) -> torch.Tensor:
+        return self.base.mul(2)
+
+
+def _held_as(rec, g):
+    rec.set_step(0)
+    base = torch.randn(1000, generator=g)
+    other = base.mul(2)
+    other[3] = other[3].nextafter(torch.tensor(9.0))
+    with rec.inputs_held_as(lambda t, record: _Doubled(base) if torch.equal(t, base.mul(2)) else None):
+        dist.all_reduce(base.mul(2))
+        dist.all_reduce(other)          # one ulp off: copied
+    dist.all_reduce(base.mul(2))        # outside the block: copied
+
+
 SCENARIOS = {
     "ddp": _ddp(),
     "ddp_fp16_hook": _ddp(hook=default_hooks.fp16_compress_hook),
@@ -156,6 +177,9 @@ def record_scenarios(spill_dir: str) -> dict:
     with collectives.recording(spill_dir=spill_dir) as rec:
         _ddp()(rec, g)
     out["spilled"] = rec.records()
+    with collectives.recording(digests=False) as rec:
+        _held_as(rec, g)
+    out["held as"] = rec.records()
     for keep, digests in ((True, True), (False, True), (True, False)):   # the same run: tensors and/or digests
         with collectives.recording(keep_tensors=keep, digests=digests) as rec:
             _ddp(comm_hooks.fp16_compress_hook)(rec, torch.Generator().manual_seed(7 + dist.get_rank()))
@@ -296,6 +320,17 @@ def test_a_recording_without_digests_keeps_the_tensors_and_verifies_the_same(w2)
     with_digests, without = _verified(w2, "kept=True"), _verified(w2, "kept=True no digests")
     assert without.exact and without.checked == with_digests.checked > 0
     assert without.records == with_digests.records
+
+
+def test_inputs_the_caller_holds_are_kept_as_its_stand_in_and_read_back_as_tensors(w2):
+    for rank in w2:
+        reduces = _collectives(rank["held as"], "allreduce")
+        kept = [r.tensors["inputs"][0] for r in reduces]
+        assert len(kept) == 3 and isinstance(kept[0], _Doubled)
+        assert all(isinstance(t, torch.Tensor) for t in kept[1:])
+        assert all(isinstance(t, torch.Tensor) for r in reduces for t in r.inputs())
+        assert torch.equal(reduces[0].inputs()[0], kept[0].value())
+    assert _verified(w2, "held as").exact
 
 
 def test_a_recording_keeps_tensors_or_digests_and_spills_only_with_digests(tmp_path):

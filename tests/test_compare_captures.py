@@ -114,27 +114,31 @@ def test_ddp_gradients_that_are_their_buckets_result_are_written_once(tmp_path):
 
 
 def test_ddp_all_reduce_inputs_that_are_their_bucket_times_one_over_w_cost_no_bytes(tmp_path):
-    from ddplab.compare.captures import Scaled
-    from ddplab.compare.runners import _scaled_inputs
+    """The capture hook's stand-in (what the recording keeps of an all-reduce input instead of a copy)
+    is the contribution times 1/W exactly where those are the input's bits, and costs no bytes."""
+    import types
 
-    local = [torch.randn(300_000), torch.randn(300_000)]          # one bucket, reduced twice (two rounds)
-    buckets = [dict(index=0, round=r, local=local[r], result=torch.randn(300_000)) for r in range(2)]
-    first = local[0].mul(1.0 / 3)                                   # W = 3: 1/3 is not exact, bits matter
-    second = local[1].mul(1.0 / 3)
-    second[5] = second[5].nextafter(torch.tensor(9.0))              # one ulp off: written as it is
-    collectives = [dict(bucket=0, type="HookResult", tensors=dict(result=[torch.randn(300_000)])),   # not a reduction
-                   dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[first.clone()])),
-                   dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[second.clone()])),
-                   dict(bucket=None, group_ranks=(0, 1, 2), tensors=dict(inputs=[torch.randn(3)]))]
-    _scaled_inputs(collectives, buckets)
-    collectives.pop(0)
-    assert isinstance(collectives[0]["tensors"]["inputs"][0], Scaled)
-    assert not isinstance(collectives[1]["tensors"]["inputs"][0], Scaled)
+    from ddplab.compare.captures import Scaled
+    from ddplab.compare.runners import _contribution_times
+
+    local = torch.randn(300_000)
+    w3 = types.SimpleNamespace(group_ranks=(0, 1, 2))
+    first = local.mul(1.0 / 3)                                       # W = 3: 1/3 is not exact, bits matter
+    second = first.clone()
+    second[5] = second[5].nextafter(torch.tensor(9.0))               # one ulp off: copied as it is
+    stand_in = _contribution_times(local)
+    kept = stand_in(first, w3)
+    assert isinstance(kept, Scaled) and kept.base is local
+    assert stand_in(second, w3) is None
+    assert stand_in(first, types.SimpleNamespace(group_ranks=(0, 1))) is None        # times 1/2: other bits
+    assert stand_in(first.double(), w3) is None and stand_in(first, types.SimpleNamespace(group_ranks=None)) is None
+    buckets = [dict(index=0, local=local, result=torch.randn(300_000))]
+    collectives = [dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[kept])),
+                   dict(bucket=0, group_ranks=(0, 1, 2), tensors=dict(inputs=[second]))]
     back, size = _round_trip(tmp_path, dict(buckets=buckets, collectives=collectives))
-    assert size < _nbytes(*local, *(b["result"] for b in buckets), second) + 65536   # the first input is free
+    assert size < _nbytes(local, buckets[0]["result"], second) + 65536   # the first input is free
     assert _same_bits(back["collectives"][0]["tensors"]["inputs"][0].value(), first)
     assert _same_bits(back["collectives"][1]["tensors"]["inputs"][0], second)
-    assert Scaled.of(first, local[0], 0.5) is None and Scaled.of(first, local[0].double(), 1.0 / 3) is None
 
 
 def _wide_model():

@@ -55,8 +55,11 @@ class _Stored:
     spill: str | None = None
 
     def load(self, key: str) -> list[torch.Tensor] | None:
+        """The tensors under ``key``; one the recording kept as a caller's stand-in
+        (:meth:`~ddplab.collectives.Recorder.inputs_held_as`) is computed here, by its ``value()``."""
         if self.tensors is not None:
-            return self.tensors.get(key)
+            kept = self.tensors.get(key)
+            return None if kept is None else [t if isinstance(t, torch.Tensor) else t.value() for t in kept]
         if self.spill is not None:
             return load_spilled(self.spill, self.index).get(key)
         return None

@@ -10,7 +10,8 @@ Inside a rank (e.g. one started by :func:`ddplab.launch`)::
             opt.step()
         return rec.records()                   # to the parent: verify(result.returns)
 
-Inputs are copied when a collective is issued; the collective is then
+Inputs are copied when a collective is issued (unless the caller holds their
+bits already: :meth:`Recorder.inputs_held_as`); the collective is then
 waited for and its outputs copied before its caller gets the Work back (see
 :meth:`Recorder.on_result`). With ``spill_dir`` each
 step's tensors go to ``spill_dir/rank<r>/step<s>.<part>.pt`` when the next
@@ -179,15 +180,15 @@ class Recorder:
             if spec.extra is not None:
                 rec.extra.update(spec.extra(args))
             rec.extra.update(self._labels)
-            # A digest-only record reads the inputs in place: the collective has not run yet.
-            inputs = [_copy(t) if self.keep_tensors else t.detach() for t in spec.inputs(args)]
+            # Digests read the inputs in place: the collective has not run yet.
+            live = [t.detach() for t in spec.inputs(args)]
             outputs = spec.outputs(args)
-            rec.input_shapes = tuple(tuple(t.shape) for t in inputs)
+            rec.input_shapes = tuple(tuple(t.shape) for t in live)
             rec.output_shapes = tuple(tuple(t.shape) for t in outputs)
-            sample = (inputs or outputs)
+            sample = (live or outputs)
             rec.dtype = str(sample[0].dtype).removeprefix("torch.") if sample else None
-            rec.input_digests = self._digests(inputs)
-            rec.tensors = {"inputs": inputs} if self.keep_tensors else None
+            rec.input_digests = self._digests(live)
+            rec.tensors = {"inputs": [self._kept_input(t, rec) for t in live]} if self.keep_tensors else None
         except Exception as exc:  # noqa: BLE001 - the collective must run on every rank regardless
             rec.error = f"not recorded at issue: {_error_text(exc)}"
         scope = getattr(self._hook_scope, "current", None)
@@ -224,6 +225,31 @@ class Recorder:
             return result
         self._outputs(rec, outputs)
         return result
+
+    def _kept_input(self, t: torch.Tensor, rec: CollectiveRecord):
+        """What the record keeps of input ``t``: the caller's stand-in for its bits
+        (:meth:`inputs_held_as`), or a copy."""
+        held_as = getattr(self._hook_scope, "held_as", None)
+        stand_in = held_as(t, rec) if held_as is not None else None
+        return stand_in if stand_in is not None else _copy(t)
+
+    @contextlib.contextmanager
+    def inputs_held_as(self, stand_in) -> Iterator[None]:
+        """Inside the block (this thread), an input for which ``stand_in(tensor, record)`` returns an
+        object is kept as that object instead of a copy: the caller holds the bits already in another
+        form (DDP's all-reduce input is the bucket it copied, times 1/W), and the object's ``value()``
+        gives them back. ``stand_in`` runs before the collective, while the input holds them; it
+        returns None for an input it does not hold. A spilling recording copies regardless: its files
+        are read back as tensors only."""
+        if self.spill_dir is not None or not self.keep_tensors:
+            yield
+            return
+        previous = getattr(self._hook_scope, "held_as", None)
+        self._hook_scope.held_as = stand_in
+        try:
+            yield
+        finally:
+            self._hook_scope.held_as = previous
 
     def _outputs(self, rec: CollectiveRecord, outputs: list[torch.Tensor],
                  failure: BaseException | None = None) -> None:

@@ -169,9 +169,23 @@ def _capture_hook(state, bucket):
                                   result=held if held is not None else result.detach().clone(), round=round_))
         return value
 
-    if state.hook is None:
-        return ddp_default_hook(None, bucket).then(keep)
-    return state.hook(state.hook_state, bucket).then(keep)
+    recorder = active_recorder()
+    # The all-reduce's input is this contribution times 1/W (DDP's own averaging): the recording keeps
+    # it as that product of the copy above, not as one more copy (a model size less in the rank).
+    with recorder.inputs_held_as(_contribution_times(local)) if recorder is not None else contextlib.nullcontext():
+        fut = ddp_default_hook(None, bucket) if state.hook is None else state.hook(state.hook_state, bucket)
+    return fut.then(keep)
+
+
+def _contribution_times(local: torch.Tensor) -> Callable:
+    """A recording's stand-in (:meth:`~ddplab.collectives.Recorder.inputs_held_as`) for a collective
+    input whose bits are ``local`` × 1/(group size): a :class:`~ddplab.compare.captures.Scaled` of it."""
+    from ddplab.compare.captures import Scaled
+
+    def stand_in(t: torch.Tensor, rec) -> "Scaled | None":
+        return Scaled.of(t, local, 1.0 / len(rec.group_ranks)) if rec.group_ranks else None
+
+    return stand_in
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -360,8 +374,6 @@ class Capture:
             data["collectives"] = [collective_state(r) for r in self.recorder.take()]
             if self.initial is not None:   # DDP's broadcast of the weights: the parent builds them too
                 InitialWeights.mark(data["collectives"], self.initial)
-            if "buckets" in data:
-                _scaled_inputs(data["collectives"], data["buckets"])
         self.initial = None
         if self.keep is not None:
             data.update(self.keep())
@@ -428,27 +440,6 @@ def _views_of_buckets(grads: dict | None, buckets: list[dict]) -> dict | None:
                 out[name] = piece
             offset += grad.numel()
     return out
-
-
-def _scaled_inputs(collectives: list[dict], buckets: list[dict]) -> None:
-    """Each bucket's all-reduce input that is its contribution times 1/W (DDP's own averaging) written as
-    that product (:class:`~ddplab.compare.captures.Scaled`): its bytes are the contribution's, stored once."""
-    from ddplab.compare.captures import Scaled
-
-    local = {(b["index"], b.get("round", 0)): b["local"] for b in buckets}
-    rounds: dict = collections.Counter()     # the n-th collective of a bucket is its n-th reduction's
-    for state in collectives:
-        inputs = (state.get("tensors") or {}).get("inputs")
-        # A bucket's reductions only: the comm hook's result record is labelled with its bucket too.
-        if state.get("bucket") is None or state.get("type", "CollectiveRecord") != "CollectiveRecord":
-            continue
-        base = local.get((state["bucket"], rounds[state["bucket"]]))
-        rounds[state["bucket"]] += 1
-        if base is None or not inputs or len(inputs) != 1 or not state.get("group_ranks"):
-            continue
-        scaled = Scaled.of(inputs[0], base, 1.0 / len(state["group_ranks"]))
-        if scaled is not None:
-            inputs[0] = scaled
 
 
 def collective_state(record) -> dict:

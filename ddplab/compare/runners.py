@@ -39,7 +39,6 @@ single process would see).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import math
@@ -578,10 +577,12 @@ def _reference_loss(model, named: list, setup: Setup, spec: RunSpec, batch: tupl
     return setup.loss(out, inputs[-1])
 
 
-def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, write: bool = True) -> Iterator[dict]:
+def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, write: bool = True,
+                     built: torch.nn.Module | None = None) -> Iterator[dict]:
     """Train ``spec`` a step at a time: each ``next()`` trains and captures one step, and returns its
-    capture (written under ``root`` when ``write``, except a promise's)."""
-    model = setup.build_model(spec.dtype)
+    capture (written under ``root`` when ``write``, except a promise's). ``built``: a fresh build of the
+    setup's model to train (converted to the run's dtype), where the caller has one; built here otherwise."""
+    model = setup.build_model(spec.dtype) if built is None else (built if spec.dtype is None else built.to(spec.dtype))
     named = named_trainable(model)
     optimizer = setup.optimizer(model.parameters())
     # The judge reads a step's tensors before the run trains on, but the truth's parameters one step later
@@ -615,8 +616,10 @@ DIFFERENT_MODEL = ("setup.model() builds different initial weights in another pr
                    "not from the process or the clock")
 
 
-def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, judge=None) -> None:
-    """Every reference run in this process, a step of each in turn, never waiting for the parent.
+def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, judge=None,
+                     built: torch.nn.Module | None = None) -> None:
+    """Every reference run in this process, a step of each in turn, never waiting for the parent
+    (the first one trains ``built``, a fresh build of the setup's model, where given).
     Without ``judge`` each writes its captures under ``root``, for the parent to judge. With ``judge``
     (a :class:`ddplab.compare.reference_judge.JudgeSpec`) none is written: after each step the
     configuration's captures of it are judged against them here, and only the records leave the
@@ -631,8 +634,10 @@ def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, j
               for spec in runs if spec.promise and truth is not None}
     ask = judge_where_trained(setup, judge, runs, len(batches)) if judge is not None else None
     with eager():  # one process's rounding, which compiling would not change in size
-        trainers = {spec.run_id: _reference_steps(setup, spec, batches, root, write=judge is None)
-                    for spec in runs}
+        trainers = {spec.run_id: _reference_steps(setup, spec, batches, root, write=judge is None,
+                                                  built=built if i == 0 else None)
+                    for i, spec in enumerate(runs)}
+        del built
         for step in range(len(batches)):
             captured = {run_id: next(trainer) for run_id, trainer in trainers.items()}
             for run_id, promise in judges.items():
@@ -653,29 +658,27 @@ def train_references(setup: Setup, runs: list[RunSpec], steps: int, root: str, j
 
 
 def first_capture_sizes(setup: Setup, runs: list[RunSpec]) -> dict[str, int]:
-    """Train the first step of every reference run in ``runs``, one after another, and return the bytes
-    each one's capture takes on disk, by label (:func:`~ddplab.compare.captures.capture_size`: counted,
-    none written; a promise, never written, is not counted)."""
+    """Train the first step of every reference run in ``runs`` that writes captures, one after another,
+    and return the bytes each one's capture takes on disk, by label
+    (:func:`~ddplab.compare.captures.capture_size`: counted, none written). A promise is never written:
+    it is neither counted nor trained here."""
     from ddplab.compare.captures import capture_size
 
     batches = global_batches(setup, 1)
-    sizes = {}
     with eager():
-        for spec in runs:
-            capture = next(_reference_steps(setup, spec, batches, "", write=False))
-            if not spec.promise:
-                sizes[spec.label] = capture_size(capture)
-    return sizes
+        return {spec.label: capture_size(next(_reference_steps(setup, spec, batches, "", write=False)))
+                for spec in runs if not spec.promise}
 
 
 def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str,
                      judge=None) -> None:
     """Rank 0 of a 1-rank launch: :func:`train_references`, in a process that first checks it builds
     the model whose weights have ``digest`` (a model seeded from the process, its pid or the clock,
-    would start every rank elsewhere)."""
-    if model_digest(setup.build_model()) != digest:
+    would start every rank elsewhere). The model it checks is the first run's."""
+    model = setup.build_model()
+    if model_digest(model) != digest:
         raise SetupError(DIFFERENT_MODEL)
-    train_references(setup, runs, steps, root, judge)
+    train_references(setup, runs, steps, root, judge, built=model)
 
 
 # --------------------------------------------------------------------------- the configurations

@@ -280,7 +280,7 @@ class _ReferenceTrainingFailed(RuntimeError):
 def _first_worker(setup: Setup, steps: int | None, configs: list[Configuration]) -> dict:
     """Rank 0 of a comparison's first launch: try the setup (:func:`check_setup`), refuse what the
     configurations cannot run on it (a mesh plan, per-rank batches), then train the first step of
-    every reference run: the sizes of its captures (``capture_bytes``, by label; none written) are what
+    every reference run that writes captures: their sizes (``capture_bytes``, by label; none written) are what
     :mod:`ddplab.compare.footprint` counts. One process for all of it: a launch's start and
     rendezvous are most of a small comparison's cost."""
     facts = check_setup(setup, steps=steps, divisors={c.label: c.pieces for c in configs})
@@ -343,7 +343,10 @@ def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], 
     rng = torch.get_rng_state()   # the user's session keeps its random state
     try:
         with _stand_in.process_group(0, 1):
-            here = model_digest(setup.build_model())
+            model = setup.build_model()
+        here = model_digest(model)
+        setup.answer_from(model)   # what the comparison asks of the model's structure: no build of its own
+        del model
     finally:
         torch.set_rng_state(rng)
     if here != facts["digest"]:

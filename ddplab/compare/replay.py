@@ -65,7 +65,7 @@ from ddplab.compare import stand_in as _stand_in
 from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
 from ddplab.compare.runners import ForwardDigests
-from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable
+from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable, structure_question
 from ddplab.records import record
 
 __all__ = ["PHASES", "register_reduction", "reduction_emulation", "Reductions", "unavailable", "replay_records",
@@ -142,6 +142,7 @@ def reduction_emulation(hook: Callable | None) -> Callable[[torch.Tensor], torch
     return known.get(hook)
 
 
+@structure_question
 def _collective_modules(model: torch.nn.Module) -> list[str]:
     """The modules of ``model`` that issue collectives in forward (SyncBatchNorm, or marked so)."""
     return [name or "(model)" for name, m in model.named_modules()

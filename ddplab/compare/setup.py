@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ddplab.compare.compiled import plain_name
+from ddplab.compare.compiled import is_compiled, plain_name
 
 __all__ = ["Setup", "SetupError", "check_setup", "split", "cast_batch", "model_digest",
            "named_trainable", "global_batches", "apply_before_step", "forward_loss"]
@@ -79,12 +79,34 @@ class Setup:
     def inspect(self, question: Callable[[nn.Module], Any]) -> Any:
         """``question(model)`` of a model built for it, asked once per question and ``model`` factory: what a
         comparison asks of the model's structure many times (does it compile, do its modules issue
-        collectives), where building a large model takes seconds."""
-        answers = self.__dict__.setdefault("_answers", {})
+        collectives), where building a large model takes seconds. One build answers every
+        :func:`structure_question` at once."""
         key = (question, id(self.model))
+        answers = self.__dict__.get("_answers", {})
         if key not in answers:
-            answers[key] = question(self.build_model())
-        return answers[key]
+            self.answer_from(self.build_model(), question)
+        return self.__dict__["_answers"][key]
+
+    def answer_from(self, model: nn.Module, *questions: Callable[[nn.Module], Any]) -> None:
+        """Answer ``questions`` and every :func:`structure_question` of ``model``, a fresh build of this
+        setup's model that the caller built anyway: :meth:`inspect` then builds none for them."""
+        answers = self.__dict__.setdefault("_answers", {})
+        for question in dict.fromkeys((*questions, *STRUCTURE_QUESTIONS)):
+            answers.setdefault((question, id(self.model)), question(model))
+
+
+#: What :meth:`Setup.inspect` answers of one build together (:func:`structure_question`).
+STRUCTURE_QUESTIONS: list[Callable[[nn.Module], Any]] = []
+
+
+def structure_question(question: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+    """Declare ``question(model)`` a question about the model's structure that a comparison asks through
+    :meth:`Setup.inspect`: every build made for one of them answers them all."""
+    STRUCTURE_QUESTIONS.append(question)
+    return question
+
+
+structure_question(is_compiled)   # declared in compiled, which this module imports
 
 
 def global_batches(setup: Setup, steps: int | None = None) -> list:
@@ -175,7 +197,8 @@ def _first_difference(a: nn.Module, b: nn.Module) -> str | None:
     return None
 
 
-def _check_model(setup: Setup) -> nn.Module:
+def _check_model(setup: Setup) -> tuple[nn.Module, nn.Module]:
+    """Two builds of the setup's model, checked: the first for the setup's passes, the second untouched."""
     if not callable(setup.model):
         raise SetupError(f"setup.model must be a callable returning an nn.Module, got {type(setup.model).__name__}")
     model = _call("setup.model()", setup.model)
@@ -196,7 +219,7 @@ def _check_model(setup: Setup) -> nn.Module:
             "setup.model() builds different weights on each call, so every rank would start from "
             f"a different model: {diff}. Seed inside model(), e.g. torch.manual_seed(0) before "
             "building the layers")
-    return model
+    return model, again
 
 
 def _check_batches(setup: Setup, steps: int | None, divisors: dict[str, int]) -> list:
@@ -275,7 +298,7 @@ def _check_setup(setup: Setup, *, steps: int | None, divisors: dict[str, int] | 
     if setup.before_step is not None and not callable(setup.before_step):
         raise SetupError(f"setup.before_step must be None or a callable taking the model, "
                          f"got {type(setup.before_step).__name__}")
-    model = _check_model(setup)
+    model, untouched = _check_model(setup)
     batches = _check_batches(setup, steps, divisors or {})
     batch = batches[0]
     # The replay referee restores each rank's RNG state, so a forward pass that
@@ -308,14 +331,16 @@ def _check_setup(setup: Setup, *, steps: int | None, divisors: dict[str, int] | 
     opt = _call("setup.optimizer(model.parameters())", setup.optimizer, model.parameters())
     if not isinstance(opt, torch.optim.Optimizer):
         raise SetupError(f"setup.optimizer must return a torch.optim.Optimizer, got {type(opt).__name__}")
-    wide = _call("setup.model() converted to float64 (the truth)", setup.build_model, torch.float64)
+    # The second build is untouched (no pass ran through it): its weights are the initial ones, and
+    # converted, it is setup.model() in float64. (Building a large model again takes seconds.)
+    named = named_trainable(untouched)
+    facts = dict(dtype=named[0][1].dtype, steps=len(batches), digest=model_digest(untouched),
+                 params=[n for n, _ in named], numel=sum(p.numel() for _, p in named), random=random)
+    wide = _call("setup.model() converted to float64 (the truth)", untouched.to, torch.float64)
     _call("the float64 model's forward pass on batch 0",
           lambda: forward_loss(wide, setup.loss, cast_batch(batch, torch.float64)))
     try:
         cloudpickle.dumps(setup)
     except Exception as exc:  # noqa: BLE001
         raise SetupError(f"the setup must be picklable (cloudpickle) to reach the ranks: {exc}") from exc
-    fresh = setup.build_model()
-    named = named_trainable(fresh)
-    return dict(dtype=named[0][1].dtype, steps=len(batches), digest=model_digest(fresh),
-                params=[n for n, _ in named], numel=sum(p.numel() for _, p in named), random=random)
+    return facts

@@ -153,3 +153,28 @@ def test_a_model_that_hangs_is_stopped_at_the_timeout_and_named(warm_launcher):
     with pytest.raises(compare.SetupError, match="model_that_never_returns") as err:
         compare.run(setup, compare.DDP(2), timeout=4, progress=False)
     assert "within 4 s" in str(err.value)
+
+
+def test_the_setup_check_builds_twice_and_one_build_answers_every_structure_question():
+    """Building a large model takes seconds: the check builds it twice (are the weights reproducible?)
+    and no more; the first question about the model's structure builds once and answers them all,
+    and the parent's digest build answers them before any is asked (Setup.answer_from)."""
+    from ddplab.compare.compiled import is_compiled
+    from ddplab.compare.replay import _collective_modules
+    from ddplab.compare.setup import check_setup
+
+    builds = []
+
+    def counted():
+        builds.append(1)
+        return _build("mlp", 0)
+
+    setup = _setup(model=counted)
+    facts = check_setup(setup)
+    assert len(builds) == 2 and facts["digest"] == compare.setup.model_digest(_build("mlp", 0))
+    assert setup.inspect(is_compiled) is False and len(builds) == 3
+    assert setup.inspect(_collective_modules) == [] and len(builds) == 3
+    other = _setup(model=counted)
+    other.answer_from(counted())
+    assert other.inspect(is_compiled) is False and other.inspect(_collective_modules) == []
+    assert len(builds) == 4

@@ -39,8 +39,10 @@ ADD = -1
 # Compiled engine: elements per tile, the unit a program runs over while its slots stay in cache
 # (64 KiB per float32 slot; chains use one slot, trees about log2 W).
 _TILE = 16384
-# Bytes of generated [W, block] columns per kernel call for slice callables.
-_SLICE_BLOCK_BYTES = 32 << 20
+# Bytes of generated [W, block] columns per kernel call for slice callables. Under glibc's mmap
+# threshold (32 MiB at most), so that each block reuses the last one's memory instead of faulting in
+# fresh pages: DDP's 25M-element bucket at W=2 in 112 ms instead of 177 ms (measured, one process).
+_SLICE_BLOCK_BYTES = 8 << 20
 # torch engine: column block per in-cache step; large enough that each torch op amortizes
 # its dispatch, small enough that the accumulators stay in L2.
 _BLOCK_BYTES = 1 << 20

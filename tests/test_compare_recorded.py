@@ -177,7 +177,11 @@ def test_a_broadcast_written_as_the_initial_weights_verifies_and_one_that_differ
 
     assert _differing(collective_records(DDP(2), ranks(InitialWeights(0, 100_000)), torch.float32,
                                          initial=weights)) == {0: 0, 1: 0}
-    assert len(built) == 1                                               # built once for the step
+    assert not built                          # markers of one range on every rank: the same bits, nothing built
     assert _differing(collective_records(DDP(2), ranks(wrong), torch.float32, initial=weights)) == {0: 0, 1: 1}
+    assert len(built) == 1                                               # built once for the step
+    assert _differing(collective_records(DDP(2), ranks(InitialWeights(1, 99_999)), torch.float32,
+                                         initial=weights)) == {0: 0, 1: 99_999}   # another range: other bits
+    assert len(built) == 2
     with pytest.raises(ValueError, match="without them"):
         list(collective_records(DDP(2), ranks(wrong), torch.float32))

@@ -75,6 +75,33 @@ def known_reductions(captures: list[dict], step: int, shared) -> dict:
     return known
 
 
+def _marked_alike(captures: list[dict]) -> int:
+    """Where every collective of the step that holds an :class:`~ddplab.compare.captures.InitialWeights`
+    marker holds, on every rank, nothing but markers of one range (DDP's broadcast of the weights as
+    the ranks wrote it): the elements of the initial weights those markers span; 0 where none holds
+    one, or where one holds anything else (a tensor written whole, a range of its own), which only the
+    weights themselves can be compared with. Each rank compared its marked bits with the weights, and
+    every process builds the same weights (a digest checked before any step): markers of one range are
+    the same bits on every rank, which is what a verification of them has to show."""
+    from ddplab.compare.captures import InitialWeights
+
+    ranges: dict[tuple, set] = {}
+    ranks: dict[tuple, int] = {}
+    for cap in captures:
+        for state in cap.get("collectives", []):
+            tensors = [t for kept in (state.get("tensors") or {}).values() for t in kept]
+            if not any(isinstance(t, InitialWeights) for t in tensors):
+                continue
+            key = (state.get("group"), state.get("sequence"))
+            ranks[key] = ranks.get(key, 0) + 1
+            ranges.setdefault(key, set()).update(
+                (t.offset, t.numel) if isinstance(t, InitialWeights) else None for t in tensors)
+    if not ranges or any(len(spans) != 1 or None in spans or ranks[key] != len(captures)
+                         for key, spans in ranges.items()):
+        return 0
+    return max(offset + numel for spans in ranges.values() for offset, numel in spans)
+
+
 def _dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
@@ -125,7 +152,11 @@ def collective_records(config: Configuration, ranks: list, model_dtype: torch.dt
     def verified(step: int) -> list[dict]:   # a function: the step's records and tensors die with it
         captures = [r[step] for r in ranks]
         known = known_reductions(captures, step, shared) if shared is not None else {}
-        weights = functools.cache(initial) if initial is not None else None   # built once, for this step only
+        size = _marked_alike(captures)
+        if size:   # equal markers stand for equal bits: any one tensor shows it, no model is built for it
+            weights = functools.cache(lambda: torch.zeros(size, dtype=model_dtype))
+        else:
+            weights = functools.cache(initial) if initial is not None else None   # built once, for this step only
         recs = step_collectives(captures, known, weights)
         if not any(recs):
             return []

@@ -310,3 +310,18 @@ def test_numba_kernels_leave_torchs_thread_count_alone():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_views_of_the_same_elements_are_identical_without_reading_them():
+    """A rank's tensor read back as rank 0's (a reference in its capture) is the same memory: equal bits."""
+    from ddplab.numerics.accuracy import identical, same_memory
+
+    x = torch.randn(1000)
+    x[3] = float("nan")
+    assert same_memory(x, x) and same_memory(x[10:20], x[10:20]) and identical(x, x)
+    assert not same_memory(x, x.clone()) and identical(x, x.clone())
+    assert not same_memory(x[:500], x[500:]) and not same_memory(x[::2], x[:500])
+    assert not same_memory(x.view(torch.int32), x) and not same_memory(x.view(10, 100), x)
+    y = x.clone()
+    y.view(torch.int32)[7] += 1
+    assert not identical(x, y)

@@ -67,8 +67,8 @@ from ddplab.numerics.orders import (BIT_EXACT_ORDERS, check_reduction, gloo_ring
 from ddplab.numerics.ulp import ulp_distance
 from ddplab.records import record
 
-__all__ = ["METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "same_bits", "identical", "measure",
-           "matches_order",
+__all__ = ["METRICS", "EVIDENCE", "REDUCTION_SCOPE", "ACCUMULATED_REDUCTION_SCOPE", "same_bits", "identical",
+           "same_memory", "measure", "matches_order",
            "error_records", "records_of"]
 
 # The numeric entries of measure()'s dict, in the order error_records emits them.
@@ -115,8 +115,18 @@ def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
     :func:`same_bits` then tells.)"""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if same_memory(a, b):
+        return True
     ints = float_format(a.dtype).int_dtype
     return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Are ``a`` and ``b`` views of the same elements (one storage, offset, shape, strides and dtype)?
+    Then they hold the same bits, without reading them: a rank's tensor written as a reference to
+    rank 0's (DDP's ranks share the parameters and reduced buckets) is read back as rank 0's."""
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
 
 
 def _chunks(order: str, numel: int, world_size: int, element_size: int, options: dict):

@@ -177,7 +177,7 @@ def compare_bits(live: torch.Tensor, replay: torch.Tensor) -> dict:
 
     live, replay = live.reshape(-1), replay.reshape(-1).to(live.dtype)
     if identical(live, replay):   # the common case, in one pass over the bytes
-        return dict(differing=0, max_ulp=0.0, max_relative=0.0, first=-1)
+        return dict(differing=0, max_ulp=0.0, max_relative=0.0, first=-1, identical=True)
     same = same_bits(live, replay)
     differing = int((~same).sum())
     if not differing:
@@ -418,9 +418,11 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_be
             for name, p in named:
                 p.grad = grads.pop(name)
             apply_before_step(setup, model)
-            for name, p in named:
-                if name in cap["grads"]:
-                    em.bits(step, rank, "update", "grad", name, cap["grads"][name], p.grad)
+            held = {name for name, p in named if name in cap["grads"] and p.grad is not None and em.bits(
+                step, rank, "update", "grad", name, cap["grads"][name], p.grad).get("identical")
+                and (p.grad.dtype, p.grad.shape) == (cap["grads"][name].dtype, cap["grads"][name].shape)}
+        else:
+            held = set()
         # The optimizer on the rank's own gradient, from the rank's own state -- but with the
         # hyperparameters the setup gives one process (load_state_dict would take the rank's own,
         # and a rank whose learning rate differs would then be replayed with it). It is built as
@@ -439,6 +441,8 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_be
                 live = cap["grads"].get(name)
                 if live is None:
                     p.grad = None
+                elif name in held:
+                    continue   # it holds the rank's bits already (compared above)
                 elif p.grad is not None and p.grad.shape == live.shape and p.grad.dtype == live.dtype:
                     p.grad.copy_(live)
                 else:

@@ -27,6 +27,7 @@ comparison then keeps what was judged so far and runs nothing more.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -315,9 +316,17 @@ def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], 
         cloudpickle.dumps(setup)
     except Exception as exc:  # noqa: BLE001 - any pickling failure is the user's to fix, said
         raise SetupError(f"the setup must be picklable (cloudpickle) to reach the ranks: {exc}") from exc
+    runner = _launcher.Launch(_first_worker, world_size=1, args=(setup, steps, configs), timeout=timeout,
+                              on_record=on_record).start()
     try:
-        result = _launcher.launch(_first_worker, world_size=1, args=(setup, steps, configs),
-                                  timeout=timeout, on_record=on_record)
+        _load_for_judging()   # this process would only wait for the launch meanwhile
+    except BaseException:
+        runner.stop()
+        with contextlib.suppress(BaseException):
+            runner.wait()
+        raise
+    try:
+        result = runner.wait()
     except _launcher.LaunchTimeout as err:
         place = err.places.get(0)
         where = (f": it was in {place.frame.function} ({place.frame.file}:{place.frame.line})"
@@ -352,6 +361,18 @@ def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], 
     if here != facts["digest"]:
         raise SetupError(DIFFERENT_MODEL)
     return facts
+
+
+def _load_for_judging() -> None:
+    """Load what the parent's first judged step would otherwise load on the comparison's critical path:
+    torch's compiler (the eager stance the setup's probes run under; ~1.2 s to import) and the reduction
+    kernels' compiled code for float32 (numba's on-disk cache; ~1 s). Called while the first launch
+    trains in a process of its own; a comparison after the first finds both loaded."""
+    import torch._dynamo  # noqa: F401 - imported for its side effect: loaded now, not while judging
+
+    from ddplab.numerics.orders import DDP_AVERAGING, reduce
+
+    reduce(torch.zeros(2, 64), "gloo_ring", op="avg", averaging=DDP_AVERAGING)
 
 
 class _Session:

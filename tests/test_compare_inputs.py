@@ -178,3 +178,24 @@ def test_the_setup_check_builds_twice_and_one_build_answers_every_structure_ques
     other.answer_from(counted())
     assert other.inspect(is_compiled) is False and other.inspect(_collective_modules) == []
     assert len(builds) == 4
+
+
+def test_the_parent_judges_on_one_thread_and_gives_the_user_their_threads_back(monkeypatch):
+    """While a pass trains its ranks hold the cores; the parent's own thread count is the user's again after."""
+    from ddplab.compare import comparison
+
+    seen = []
+    original = comparison._Session.configuration
+
+    def configuration(self, index, config):
+        seen.append(torch.get_num_threads())
+        return original(self, index, config)
+
+    monkeypatch.setattr(comparison._Session, "configuration", configuration)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        compare.run(_setup(), [compare.DDP(2)], progress=False)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

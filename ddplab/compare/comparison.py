@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import psutil
 import torch
@@ -361,6 +361,21 @@ def first_launch(setup: Setup, steps: int | None, configs: list[Configuration], 
     if here != facts["digest"]:
         raise SetupError(DIFFERENT_MODEL)
     return facts
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Inside the block this process computes on one thread, and after it on as many as before. While a
+    pass trains, its ranks hold every core (each a share of them, the reference process one): a second
+    thread of the judge would wait for a core at every parallel region (measured at 50M parameters, W=2
+    on 2 cores: 26.5-26.9 s a comparison against 29.5-30.0 s). Nothing judged depends on it: the
+    replay runs each rank's computations on that rank's threads, and the emulations on any number."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _load_for_judging() -> None:
@@ -819,8 +834,9 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
                 _footprint.check_fits(need, memory=psutil.virtual_memory().available,
                                       disk=shutil.disk_usage(root).free)
             records = []
-            for index, config in enumerate(configs):
-                records += session.configuration(index, config)
+            with _one_thread():
+                for index, config in enumerate(configs):
+                    records += session.configuration(index, config)
             records = streamed + (need.records() if need is not None else []) + records
     finally:
         if bars is not None:

@@ -213,8 +213,24 @@ def _row_op(kind, row, src, slot, dst, m, data_fmt, fmt, scale, scale_value):
     """LOAD_ROW or ADD_ROW of ``row[src:src+m]`` into ``slot[dst:dst+m]``."""
     a = slot[dst:dst + m]
     x = row[src:src + m]
-    if data_fmt == NATIVE and fmt == NATIVE and scale == NO_SCALE:
-        if kind == LOAD_ROW:
+    if data_fmt == NATIVE and fmt == NATIVE:
+        # Nothing to round by hand: loops without a call per element (they vectorize), the same
+        # operations as :func:`_entry` in the same order (DDP's own averaging multiplies here).
+        if scale == MULTIPLY:
+            if kind == LOAD_ROW:
+                for j in range(m):
+                    a[j] = x[j] * scale_value
+            else:
+                for j in range(m):
+                    a[j] += x[j] * scale_value
+        elif scale == DIVIDE:
+            if kind == LOAD_ROW:
+                for j in range(m):
+                    a[j] = x[j] / scale_value
+            else:
+                for j in range(m):
+                    a[j] += x[j] / scale_value
+        elif kind == LOAD_ROW:
             for j in range(m):
                 a[j] = x[j]
         else:

@@ -43,3 +43,19 @@ def test_a_nan_in_the_data_is_named_and_the_steps_before_it_judged(warm_launcher
     assert planted.values["nonfinite_step"] == 1 and planted.values["reference_step"] == 2
     judged_steps = result.records[result.records["metric"] == "deviation"].groupby("config")["step"].max()
     assert judged_steps.to_dict() == {"ddp W=2": 1, "nan_on_rank_1_at_step_1 W=2": 0, "reference": 1}
+
+
+def test_a_tensor_another_rank_shares_is_looked_at_once_and_a_rank_s_own_nan_is_still_found():
+    import torch
+
+    from ddplab.compare.finite import nonfinite_at
+
+    shared, own = torch.randn(1000), torch.randn(1000)
+    finite: dict = {}
+    assert nonfinite_at(dict(params={"w": shared}), finite) is None and len(finite) == 1
+    own[3] = float("inf")
+    rank_1 = dict(params={"w": shared[:], "b": own})          # rank 0's tensor (a view of the same elements)
+    assert nonfinite_at(rank_1, finite) == dict(quantity="param", param="b", count=1)
+    shared[5] = float("nan")                                  # already looked at in this step: not again
+    assert nonfinite_at(dict(params={"w": shared}), finite) is None
+    assert nonfinite_at(dict(params={"w": shared})) == dict(quantity="param", param="w", count=1)

@@ -24,15 +24,22 @@ from ddplab.records import record
 __all__ = ["nonfinite_at", "nonfinite_records", "nonfinite_steps"]
 
 
-def nonfinite_at(capture: dict) -> dict | None:
-    """The first (quantity, param, count) of one step's capture holding a NaN or Inf, or None."""
+def nonfinite_at(capture: dict, finite: dict | None = None) -> dict | None:
+    """The first (quantity, param, count) of one step's capture holding a NaN or Inf, or None.
+    ``finite``: the elements of this step found finite already, by where they are in memory (another
+    rank's capture read back as rank 0's tensors), filled in as tensors are looked at."""
+    finite = {} if finite is None else finite
     for quantity in ("grads", "params"):
         for name, t in capture.get(quantity, {}).items():
+            where = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if finite.get(where):
+                continue
             # A finite sum is a finite tensor (a NaN or an Inf reaches the sum), ~25× cheaper than
             # isfinite on every element; a sum that overflows is looked at element by element.
             if t.is_floating_point() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
                 bad = int((~torch.isfinite(t)).sum())
                 return dict(quantity=quantity[:-1], param=name, count=bad)
+            finite[where] = True
     return None
 
 
@@ -49,8 +56,9 @@ def nonfinite_steps(config_ranks: list, cut: Callable[[int], None]) -> StepRecor
         if not looked:
             return
         out = []
+        finite: dict = {}   # the step's tensors found finite: rank 0's, where a rank's capture reads back as them
         for r, caps in looked:
-            bad = nonfinite_at(caps[step])
+            bad = nonfinite_at(caps[step], finite)
             if bad is not None:
                 found.add(r)
                 out.append(nonfinite_records(dict(bad, step=step), rank=r, run="configuration"))

@@ -66,6 +66,7 @@ from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
 from ddplab.compare.runners import ForwardDigests
 from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable, structure_question
+from ddplab.numerics.accuracy import same_memory
 from ddplab.records import record
 
 __all__ = ["PHASES", "register_reduction", "reduction_emulation", "Reductions", "unavailable", "replay_records",
@@ -204,14 +205,17 @@ def _threads(count: int | None) -> Iterator[None]:
 
 
 def _model_at(setup: Setup, params: dict, buffers: dict | None = None,
-              model: torch.nn.Module | None = None) -> torch.nn.Module:
+              model: torch.nn.Module | None = None, holds_params: bool = False) -> torch.nn.Module:
     """A model holding ``params`` (by trainable name) and ``buffers``: built anew, or ``model`` reset to
-    them (built anew too where ``buffers`` does not name every buffer: a reset one would keep a value)."""
+    them (built anew too where ``buffers`` does not name every buffer: a reset one would keep a value).
+    ``holds_params``: ``model`` holds ``params`` already (nothing wrote them since they were set), so
+    only its buffers and gradients are reset."""
     if model is None or any(name not in (buffers or {}) for name, _ in model.named_buffers()):
-        model = setup.build_model()
+        model, holds_params = setup.build_model(), False
     with torch.no_grad():
         for name, p in named_trainable(model):
-            p.copy_(params[name])
+            if not holds_params:
+                p.copy_(params[name])
             p.grad = None
         for name, b in model.named_buffers():
             if buffers and name in buffers:
@@ -224,8 +228,10 @@ class _Emitter:
         self.labels = dict(config=config.label)
         self.out: list[dict] = []
 
-    def bits(self, step: int, rank: int, phase: str, quantity: str, param: str, live, replay) -> dict:
-        c = compare_bits(live, replay)
+    def bits(self, step: int, rank: int, phase: str, quantity: str, param: str, live, replay,
+             known: dict | None = None) -> dict:
+        """Record how ``live`` differs from ``replay`` (``known``: that comparison, made already)."""
+        c = known if known is not None else compare_bits(live, replay)
         extra = {}
         if c["differing"]:
             extra = dict(max_ulp=c["max_ulp"], max_relative=c["max_relative"], element=c["first"])
@@ -399,11 +405,17 @@ def _replay_reduction(em: _Emitter, config, step, caps: list[dict], emulation, s
         expected = shared.take(step, local) if shared is not None and emulation is _ddp_default else None
         if expected is None:
             expected = emulation(torch.stack(local))
+        first: dict[str, dict] = {}
         for rank, other in enumerate(by_rank):
             bucket = other[index]
+            # A rank whose reduced bucket reads back as rank 0's (the same bits: DDP's promise) compares
+            # as rank 0's did, without a second pass over it.
+            again = rank > 0 and same_memory(bucket["result"], by_rank[0][index]["result"])
             for name, start, stop in _bucket_params(bucket, caps[rank]["params"]):
-                em.bits(step, rank, "reduction", "grad", name, bucket["result"][start:stop],
-                        expected[start:stop])
+                c = em.bits(step, rank, "reduction", "grad", name, bucket["result"][start:stop],
+                            expected[start:stop], known=first.get(name) if again else None)
+                if rank == 0:
+                    first[name] = c
 
 
 def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_before, spare: dict) -> None:
@@ -515,11 +527,16 @@ def _replay_step(em, setup: Setup, config: Configuration, ranks, batches: list, 
         # DDP broadcasts rank 0's buffers at the start of every forward.
         source = caps[rank] if isinstance(config, FSDP2) else caps[0]
         local = _model_at(setup, before, source.get("buffers"), model)
+        versions = [(p, p._version) for _, p in named_trainable(local)]
         _replay_local(em, setup, config, step, rank, caps[rank], local, micro, modules_seen)
         # The local gradients are compared: their tensors take the update's.
         spare = {n: p.grad for n, p in named_trainable(local) if p.grad is not None}
-        # The update needs the weights and buffers before the step again.
-        update = _model_at(setup, before, caps[rank].get("buffers"), model)
+        # The update needs the weights and buffers before the step again. A forward and backward that
+        # wrote no parameter in place (their version counters say so) left the weights there already.
+        after = [p for _, p in named_trainable(local)]
+        kept = local is model and len(after) == len(versions) and all(
+            p is q and version == q._version for (p, version), q in zip(versions, after))
+        update = _model_at(setup, before, caps[rank].get("buffers"), model, holds_params=kept)
         _replay_update(em, setup, config, step, rank, caps[rank], update, optim_before, spare)
         for _, p in named_trainable(update):
             p.grad = None   # nothing of the step is held while the sources after this one run

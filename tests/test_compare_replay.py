@@ -136,3 +136,40 @@ def test_bad_faults_are_refused():
         faults.plant("cosmic_ray")
     with pytest.raises(ValueError, match="magnitude"):
         faults.plant("optimizer", -1)
+
+
+def test_the_update_phase_borrows_the_reduced_buckets_and_never_writes_them():
+    """With no before_step and a torch optimizer the replay's gradients are the rank's reduced bucket
+    itself: a rank whose gradients differ from it is still stepped with its own, and neither is written."""
+    from ddplab.compare.replay import _Emitter, _replay_update
+    from ddplab.compare.setup import named_trainable
+
+    setup = examples.digits_setup(0, steps=1)
+    model = setup.build_model()
+    named = named_trainable(model)
+    result = torch.randn(sum(p.numel() for _, p in named))
+    views, offset = {}, 0
+    for name, p in named:
+        views[name] = result[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    grads = dict(views)
+    first = named[0][0]
+    grads[first] = views[first].clone()
+    grads[first].view(-1).view(torch.int32)[3] += 1                     # one ulp off its bucket on this rank
+    kept = result.clone()
+    params = {name: p.detach().clone() for name, p in named}
+    optimizer = torch.optim.SGD([p for _, p in named], lr=0.1)
+    for name, p in named:
+        p.grad = grads[name].clone()
+    optimizer.step()                                                     # what the rank's step gave
+    cap = dict(buckets=[dict(index=0, names=[n for n, _ in named], result=result, round=0)], grads=grads,
+               params={name: p.detach().clone() for name, p in named}, threads=None)
+    replayed = setup.build_model()
+    with torch.no_grad():
+        for name, p in named_trainable(replayed):
+            p.copy_(params[name])
+    em = _Emitter(compare.DDP(2))
+    _replay_update(em, setup, compare.DDP(2), 0, 1, cap, replayed, None, {})
+    assert torch.equal(result.view(torch.int32), kept.view(torch.int32))          # never written
+    differing = {(r["quantity"], r["param"]): r["value"] for r in em.out}
+    assert differing[("grad", first)] == 1 and sum(differing.values()) == 1      # the params are the rank's

@@ -64,7 +64,7 @@ from ddplab.compare import sharded_optimizers as _sharded
 from ddplab.compare import stand_in as _stand_in
 from ddplab.compare.captures import StepRecords, common_steps
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric
-from ddplab.compare.runners import ForwardDigests
+from ddplab.compare.runners import ForwardDigests, leaves_gradients_alone
 from ddplab.compare.setup import Setup, apply_before_step, cast_batch, named_trainable, structure_question
 from ddplab.numerics.accuracy import same_memory
 from ddplab.records import record
@@ -298,13 +298,16 @@ def _local(setup: Setup, config: Configuration, model: torch.nn.Module, micro: l
     return rounds, digests.calls
 
 
-def _reduced_grads(cap: dict, like: dict, into: dict | None = None) -> dict:
+def _reduced_grads(cap: dict, like: dict, into: dict | None = None, borrow: bool = False) -> dict:
     """The gradients the rank's reduced buckets give (DDP copies each bucket back), zero elsewhere:
     tensors for a model to own -- ``into``'s where it has one of the shape and dtype (written over),
-    fresh ones otherwise."""
+    fresh ones otherwise -- or, with ``borrow``, the buckets' own slices wherever they have the dtype
+    (for a model that only reads them)."""
     into = into or {}
 
     def owned(name: str, value: torch.Tensor | None) -> torch.Tensor:
+        if borrow and value is not None and value.dtype == like[name].dtype:
+            return value
         spare = into.get(name)
         if spare is not None and spare.shape == like[name].shape and spare.dtype == like[name].dtype:
             return spare.copy_(value) if value is not None else spare.zero_()
@@ -423,10 +426,17 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_be
     ``spare``: gradient tensors nothing reads any more, written over rather than allocating new ones."""
     named = named_trainable(model)
     with _threads(cap.get("threads")):
+        with _stand_in.process_group(0, 1):
+            one_process = setup.optimizer(model.parameters())
+        promised = [{k: v for k, v in g.items() if k != "params"} for g in one_process.param_groups]
+        # Where nothing writes the gradients (no before_step; a torch optimizer only reads them) the
+        # replay's are the rank's reduced buckets themselves, not a copy of them.
+        borrow = setup.before_step is None and leaves_gradients_alone(one_process)
+        del one_process
         if cap.get("buckets"):
             # What the rank's last reduced buckets give its step: DDP copies each bucket back into
             # the gradients, then the setup's before_step (clipping) runs.
-            grads = _reduced_grads(_with_round(cap, -1), dict(named), into=spare)
+            grads = _reduced_grads(_with_round(cap, -1), dict(named), into=spare, borrow=borrow)
             for name, p in named:
                 p.grad = grads.pop(name)
             apply_before_step(setup, model)
@@ -440,9 +450,6 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_be
         # and a rank whose learning rate differs would then be replayed with it). It is built as
         # the rank built it (a sharded one partitions by the stand-in's rank) and loads the rank's
         # own state (a sharded one: its own shard).
-        with _stand_in.process_group(0, 1):
-            promised = [{k: v for k, v in g.items() if k != "params"}
-                        for g in setup.optimizer(model.parameters()).param_groups]
         with _stand_in.process_group(rank, config.world_size):
             optimizer = setup.optimizer(model.parameters())
             if optim_before is not None and not _sharded.restore_state(optimizer, named, optim_before):
@@ -455,6 +462,8 @@ def _replay_update(em: _Emitter, setup, config, step, rank, cap, model, optim_be
                     p.grad = None
                 elif name in held:
                     continue   # it holds the rank's bits already (compared above)
+                elif borrow:
+                    p.grad = live   # read, never written: the rank's own (a borrowed bucket is never written)
                 elif p.grad is not None and p.grad.shape == live.shape and p.grad.dtype == live.dtype:
                     p.grad.copy_(live)
                 else:

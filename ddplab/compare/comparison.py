@@ -795,7 +795,9 @@ def run(setup: Setup, configurations, *, steps: int | None = None, timeout: floa
     single-process reference itself fails (its first step is tried before any
     configuration; it trains again beside each one). A launch counts as hung
     when it runs ``timeout`` seconds beyond the time the parent spent judging
-    its steps (its ranks wait for that).
+    its steps (its ranks wait for that). While the configurations train, this
+    process computes on one thread (their ranks hold the cores); it has its
+    thread count back when ``run`` returns.
 
     Example::
 

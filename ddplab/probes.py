@@ -119,7 +119,7 @@ def _tensor_sha256(t: torch.Tensor) -> str:
     data = data.contiguous()
     # Hash the raw bytes (a uint8 view works for every dtype, bf16 included).
     raw = data.reshape(-1).view(torch.uint8) if data.numel() else data.new_empty(0, dtype=torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(raw.numpy()).hexdigest()   # the buffer itself: no copy of it
 
 
 def fingerprint(model: torch.nn.Module) -> dict[str, TensorPrint]:

@@ -282,3 +282,22 @@ def test_a_capture_is_written_without_crc32_and_the_process_keeps_its_setting(tm
         stored = [info for info in archive.infolist() if info.file_size > 1_000_000]
     assert stored and all(info.CRC == 0 for info in stored)
     assert torch.equal(read_capture(path, mmap=False)["grads"]["w"], w)
+
+
+def test_digests_hash_the_tensors_bytes_in_place_whatever_their_shape():
+    """A digest reads a tensor's own buffer (no copy of a model size); a 0-dim output hashes too."""
+    import hashlib
+
+    from ddplab.compare.runners import tensor_digest
+    from ddplab.compare.setup import model_digest
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 3))
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
+        h.update(bytes(p.detach().view(torch.uint8).reshape(-1).tolist()))
+    assert model_digest(model) == h.hexdigest()
+    assert tensor_digest(torch.tensor(3.0)) == tensor_digest(torch.tensor(3.0)) != tensor_digest(torch.tensor(3.5))
+    x = torch.randn(4, 6)
+    assert tensor_digest(x) == tensor_digest(x.clone()) != tensor_digest(x.t().contiguous())

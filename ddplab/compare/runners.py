@@ -194,7 +194,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     t = t.detach().cpu().contiguous()
     h = hashlib.blake2b(f"{t.dtype}:{tuple(t.shape)}".encode(), digest_size=16)
     if t.numel():
-        h.update(t.view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())   # the buffer itself: no copy of it
     return h.hexdigest()
 
 

@@ -134,7 +134,7 @@ def model_digest(module: nn.Module) -> str:
     for name, p in named_trainable(module):
         t = p.detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")   # the buffer itself: no copy of it
     return h.hexdigest()
 
 

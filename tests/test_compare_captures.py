@@ -301,3 +301,56 @@ def test_digests_hash_the_tensors_bytes_in_place_whatever_their_shape():
     assert tensor_digest(torch.tensor(3.0)) == tensor_digest(torch.tensor(3.0)) != tensor_digest(torch.tensor(3.5))
     x = torch.randn(4, 6)
     assert tensor_digest(x) == tensor_digest(x.clone()) != tensor_digest(x.t().contiguous())
+
+
+def test_a_capture_is_written_over_a_recycled_one_of_its_kind_and_only_of_its_kind(tmp_path):
+    from ddplab.compare.captures import capture_size, recycle_capture, remove_recycled
+
+    first, bigger = str(tmp_path / "s0-r0.pt"), {"x": torch.arange(3 * N, dtype=torch.float32)}
+    save_capture(bigger, first, kind="r0")
+    inode = os.stat(first).st_ino
+    recycle_capture(first, "r0")
+    assert not os.path.exists(first) and len(os.listdir(tmp_path)) == 1
+    other = str(tmp_path / "s1-r1.pt")
+    save_capture({"x": torch.zeros(N)}, other, kind="r1")   # another kind: a file of its own
+    assert os.stat(other).st_ino != inode
+    second, smaller = str(tmp_path / "s1-r0.pt"), {"x": torch.full((N,), 7.0), "y": 3}
+    save_capture(smaller, second, kind="r0")
+    # the same file, its pages written over, and cut to what this capture holds
+    assert os.stat(second).st_ino == inode
+    assert sorted(os.listdir(tmp_path)) == ["s1-r0.pt", "s1-r1.pt"]
+    assert _same_bits(read_capture(second), smaller)
+    assert os.path.getsize(second) == capture_size(smaller)   # written to a file object, as counted
+    recycle_capture(second, "r0")
+    remove_recycled(str(tmp_path))
+    assert os.listdir(tmp_path) == ["s1-r1.pt"]
+
+
+def _storage_ptrs(capture: dict) -> set:
+    return {t.untyped_storage().data_ptr() for t in capture.values() if isinstance(t, torch.Tensor)}
+
+
+def test_a_ranks_captures_are_read_into_the_storages_its_earlier_ones_no_longer_use(tmp_path):
+    from ddplab.compare.captures import ReadBuffers
+
+    big = ReadBuffers.MIN_BYTES // 4 + 1   # float32 elements beyond the size a storage is reused from
+    steps = [{"a": torch.full((big,), float(s)), "b": torch.full((big,), -float(s)), "n": s} for s in range(3)]
+    for s, data in enumerate(steps):
+        save_capture(data, str(tmp_path / f"{s}.pt"))
+    buffers = ReadBuffers()
+    first = read_capture(str(tmp_path / "0.pt"), into=buffers)
+    held = first["a"][10:]                       # a view keeps its storage in use
+    ptrs = _storage_ptrs(first)
+    del first
+    second = read_capture(str(tmp_path / "1.pt"), into=buffers)
+    assert _same_bits(second, steps[1]) and _same_bits(held, steps[0]["a"][10:])
+    assert buffers.reused == 1 and len(buffers) == 3
+    reused = _storage_ptrs(second) & ptrs
+    assert len(reused) == 1 and held.untyped_storage().data_ptr() not in reused
+    del second, held
+    third = read_capture(str(tmp_path / "2.pt"), into=buffers)
+    assert _same_bits(third, steps[2]) and buffers.reused == 3
+    assert len(buffers) == 2    # the storage this read did not need is given back before it
+    if os.path.exists("/proc/self/maps"):   # the file is copied, never left mapped
+        with open("/proc/self/maps") as maps:
+            assert str(tmp_path) not in maps.read()

@@ -45,21 +45,25 @@ def test_the_footprint_counts_a_step_of_a_pass_and_refuses_with_the_figures():
 
 
 def test_what_a_comparison_needs_is_stated_and_never_more_than_it_holds(no_leftovers, monkeypatch, tmp_path):
+    import collections
     import tempfile
     import threading
 
     from ddplab.compare import streaming
 
-    held, steps_on_disk, done, folders = [0], [0], threading.Event(), set()
+    held, files_per_rank, done, folders = [0], [0], threading.Event(), set()
 
-    def poll():                     # the scratch folder, every 2 ms: its bytes and each run's steps on it
+    def poll():                     # the scratch folder, every 2 ms: its bytes and each rank's files in it
         while not done.wait(0.002):
+            # a rank's captures, and those kept for it to write over: "s000001-r0001.pt",
+            # "recycled-r0001-s000000-r0001.pt"
             files = [(base, f) for base, _, names in os.walk(tmp_path) for f in names if f.endswith(".pt")]
             try:
                 held.append(sum(os.path.getsize(os.path.join(base, f)) for base, f in files))
             except FileNotFoundError:
                 continue            # deleted between the listing and the size
-            steps_on_disk.append(max((len({f[:7] for b, f in files if b == base}) for base, _ in files), default=0))
+            ranks = collections.Counter((base, f.rsplit("-", 1)[1]) for base, f in files)
+            files_per_rank.append(max(ranks.values(), default=0))
             folders.update(tuple(os.path.relpath(base, tmp_path).split(os.sep)[1:]) for base, _ in files)
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -74,9 +78,9 @@ def test_what_a_comparison_needs_is_stated_and_never_more_than_it_holds(no_lefto
         watcher.join()
     need = result.footprint
     assert 0 < need.scratch_bytes <= max(held)
-    # Flat in steps: no run ever had more than LAG of its 6 steps on disk -- a rank writes the next step once
-    # every reader took this one.
-    assert max(steps_on_disk) == streaming.LAG, steps_on_disk
+    # Flat in steps: no rank ever had more than LAG files of its 6 steps on disk -- a rank writes the next
+    # step once every reader took this one, over this one's file.
+    assert max(files_per_rank) == streaming.LAG, files_per_rank
     # The reference runs wrote nothing, not even the first step the figures are measured on: they judge
     # where they train. Only the configurations' runs (and their twins and float64 runs) reach the disk.
     assert folders and all(run.startswith("config") for _, run in folders), folders

@@ -137,3 +137,53 @@ def test_a_step_is_reported_done_once_every_rank_of_the_run_has_written_it():
     progress(records.record("grad_norm", 1.0, step=0, rank=0, config="reference"))   # one rank
     progress(records.record("loss", 1.0, step=2, rank=1, config="ddp W=2"))            # not a step's end
     assert calls == [("ddp W=2", 0, 3), ("reference", 0, 3)]
+
+
+def _wider_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Tanh(), torch.nn.Linear(600, 600))
+
+
+class _OneUlpOnRank1AtItsThirdStep(torch.optim.SGD):
+    def step(self, closure=None):
+        out = super().step(closure)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 3 and torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            with torch.no_grad():
+                flat = self.param_groups[0]["params"][0].view(-1)
+                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+        return out
+
+
+def test_captures_written_over_recycled_files_and_read_into_reused_storages_are_judged_bit_for_bit(
+        no_leftovers, monkeypatch):
+    """Ranks write steps 1.. over the files of steps nobody reads any more, the reference process judges
+    them memory-mapped, the parent reads each into storages its earlier captures used (1.4 MB weights:
+    beyond ReadBuffers.MIN_BYTES). Correct code stays exact; a one-ulp fault at step 2, after storages
+    were reused, is found there."""
+    from ddplab.compare.captures import ReadBuffers
+
+    monkeypatch.setattr(comparison, "KEEP_REFERENCES_BYTES", 0)
+    taken = []
+    copy_of = ReadBuffers.copy_of
+
+    def counted(self, storage, location="cpu"):
+        before = self.reused
+        out = copy_of(self, storage, location)
+        taken.append(self.reused > before)
+        return out
+
+    monkeypatch.setattr(ReadBuffers, "copy_of", counted)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 600, generator=g), torch.randn(8, 600, generator=g)) for _ in range(4)]
+
+    def run(optimizer):
+        setup = compare.Setup(model=_wider_model, batches=batches, loss=F.mse_loss, optimizer=optimizer, name="wider")
+        return compare.run(setup, compare.DDP(2), progress=False).verdict("ddp W=2")
+
+    assert run(lambda p: torch.optim.SGD(p, lr=0.1)).kind == "exact"
+    assert sum(taken) >= 8, taken
+    v = run(lambda p: _OneUlpOnRank1AtItsThirdStep(p, lr=0.1))
+    assert v.kind == "bug", v.headline
+    replay = v.finding_values("replay")
+    assert (replay["step"], replay["rank"], replay["phase"]) == (2, 1, "update")

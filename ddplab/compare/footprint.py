@@ -16,7 +16,7 @@ A *pass* trains a configuration's run beside the truth and the reference (and, a
 and its float64 run; or those in a second pass, beside the truth). Its step is what every run of it
 captures at one step.
 
-* **scratch**: a step of the largest pass -- its files are deleted once every reader took them, and
+* **scratch**: a step of the largest pass -- its files are given up once every reader took them, and
   only then do its runs write the next one -- whatever the number of steps. A large model's reference runs
   write nothing: they judge where they train (:mod:`ddplab.compare.reference_judge`);
 * **parent**: the analysis holds, while it judges a step, that step's captures of every run of the

@@ -71,6 +71,12 @@ def capture_path(root: str, run_id: str, step: int, rank: int) -> str:
     return os.path.join(root, run_id, f"s{step:06d}-r{rank:04d}.pt")
 
 
+def capture_kind(rank: int) -> str:
+    """What a rank's captures are, for writing one over another (:func:`ddplab.compare.captures.recycle_capture`):
+    a rank writes about as many bytes each step, and other ranks other amounts."""
+    return f"r{rank:04d}"
+
+
 def captured_files(root: str, run_id: str) -> list[tuple[int, int, str]]:
     """``(step, rank, path)`` of every capture of ``run_id`` under ``root`` (the names :func:`capture_path` gives)."""
     folder = os.path.join(root, run_id)
@@ -380,7 +386,7 @@ class Capture:
             from ddplab.compare.captures import save_capture
 
             written = self._same_as_rank_zero(data, step) if self.rank > 0 else data
-            save_capture(written, capture_path(self.root, self.run_id, step, self.rank))
+            save_capture(written, capture_path(self.root, self.run_id, step, self.rank), kind=capture_kind(self.rank))
         labels = dict(config=self.label)
         if loss is not None:
             _records.emit("loss", loss, step=step, rank=self.rank, **labels)

@@ -1,4 +1,4 @@
-"""A comparison's runs judged while they train, their captures deleted once judged.
+"""A comparison's runs judged while they train, their captures given up once judged.
 
 Every run of a *pass* (a configuration's run, its twin and its float64 run) writes one capture
 per step and rank; the reference runs that train beside them write none: they judge each step where
@@ -6,9 +6,11 @@ they train, once its captures are written (:mod:`ddplab.compare.reference_judge`
 deletes a step's files only after that. The parent judges a step of every run of the pass together
 (:func:`ddplab.compare.captures.in_step`), then marks it judged and forgets it (:meth:`Pass.judged`);
 what the next step reads of it stays in the parent's memory (:data:`NEXT_STEP_READS`: the replay
-starts step ``s`` from the state step ``s - 1`` left). A step's files are deleted as soon as every
+starts step ``s`` from the state step ``s - 1`` left). A step's files are given up as soon as every
 reader took them -- the parent holds every rank's (:meth:`LiveRun.read`), the reference process
-judged it -- and at the latest when it is judged. After writing step ``s`` a rank waits
+judged it -- and at the latest when it is judged: each is kept for its rank to write a later step
+over (:func:`~ddplab.compare.captures.recycle_capture`), its pages in memory already, and deleted
+when the pass ends. After writing step ``s`` a rank waits
 (:func:`wait_for_parent`) until step ``s - LAG + 1`` is freed that way: it trains the next step while
 the parent judges this one, and a run's captures on disk are at most ``LAG`` steps, whatever the
 number of steps. A run *kept* in a folder of its own
@@ -32,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ddplab.compare.captures import CaptureCache, Captures
+from ddplab.compare.captures import CaptureCache, Captures, recycle_capture, remove_recycled
 
 __all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "ended", "judged_path", "freed_path", "LiveRun",
            "LiveCaptures", "Pass", "ScratchFull", "disk_full"]
@@ -200,11 +202,15 @@ class LiveRun:
                 os.remove(tmp)
 
     def _delete(self, step: int) -> None:
+        """Nobody reads ``step`` any more: its files are kept for their ranks to write a later step over
+        (:func:`~ddplab.compare.captures.recycle_capture`), which the scratch folder counts as one step."""
+        from ddplab.compare.runners import capture_kind
+
         for rank in range(self.world_size):
             path = self.path(step, rank)
             if os.path.exists(path):
                 self.written[rank] = max(self.written[rank], step + 1)   # a rank writes its steps in order
-                os.remove(path)
+                recycle_capture(path, capture_kind(rank))
 
     def finished(self, rank: int) -> int:
         """How many consecutive steps rank ``rank`` wrote (after the run ended)."""
@@ -219,6 +225,7 @@ class LiveRun:
         from ddplab.compare.runners import captured_files
 
         cache.forget(self.run_id)
+        remove_recycled(os.path.join(self.root, self.run_id))
         for step, rank, path in captured_files(self.root, self.run_id):
             if not self.deleted:
                 self.written[rank] = max(self.written[rank], step + 1)

@@ -354,3 +354,33 @@ def test_a_ranks_captures_are_read_into_the_storages_its_earlier_ones_no_longer_
     if os.path.exists("/proc/self/maps"):   # the file is copied, never left mapped
         with open("/proc/self/maps") as maps:
             assert str(tmp_path) not in maps.read()
+
+
+_HEAP_PROBE = """
+import resource, sys, torch
+from ddplab.compare.runners import _BACKWARD_HEAP
+if sys.argv[1] == "keep":
+    _BACKWARD_HEAP.keep()
+faults = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    with _BACKWARD_HEAP():
+        t = torch.empty(16 * 2**20).fill_(1.0)   # 64 MiB, as a backward pass allocates a gradient
+    del t
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults[-1])
+"""
+
+
+def test_the_reference_process_allocates_its_gradients_where_the_last_ones_were_freed():
+    import subprocess
+    import sys
+
+    pages = 64 * 2**20 // os.sysconf("SC_PAGESIZE")
+
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert faults("default") > pages // 2      # a new mapping each time: every page faulted in again
+    assert faults("keep") < pages // 20        # the heap's pages, touched already

@@ -664,6 +664,12 @@ class RecentSteps:
         self._items[step] = capture
         self._items.pop(step - self.keep, None)
 
+    def judged(self, step: int, keys: tuple = ()) -> None:
+        """``step`` is judged: keep of it only ``keys`` (what a later step reads; none: nothing), and nothing
+        of the steps before it. What the run captured is then held no longer than something reads it."""
+        kept = self._items.get(step)
+        self._items = {step: {k: kept[k] for k in keys if k in kept}} if kept is not None and keys else {}
+
     def has(self, step: int) -> bool:
         return step in self._items
 

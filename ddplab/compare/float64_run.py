@@ -36,6 +36,7 @@ import torch
 from ddplab.compare.captures import RecentSteps, StepRecords, common_steps
 from ddplab.compare.referee import squared_difference
 from ddplab.compare.setup import Setup
+from ddplab.compare.streaming import NEXT_STEP_READS
 from ddplab.numerics import unit_roundoff
 from ddplab.records import record
 
@@ -150,4 +151,8 @@ class PromiseJudge:
     def __call__(self, step: int, truth: dict, promise: dict) -> list[dict]:
         self.truth.put(step, truth)
         self.promise.put(step, promise)
-        return next(self._records)
+        records = next(self._records)
+        # Judged: only the fit at the next step reads of it again, the truth's parameters.
+        self.truth.judged(step, NEXT_STEP_READS["truth"])
+        self.promise.judged(step)
+        return records

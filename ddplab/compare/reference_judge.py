@@ -42,6 +42,7 @@ from ddplab.compare.configurations import Configuration
 from ddplab.compare.finite import nonfinite_at, nonfinite_records
 from ddplab.compare.runners import RunSpec, capture_path, precision_reference
 from ddplab.compare.setup import Setup
+from ddplab.compare.streaming import NEXT_STEP_READS
 from ddplab.numerics import unit_roundoff
 from ddplab.records import record
 
@@ -233,7 +234,13 @@ class ReferenceJudge:
                 window.put(step, cap)
         if float64 is not None:
             self._float64.put(step, float64)
-        return out + self._advance()
+        out += self._advance()
+        # Judged: only localization reads of it again, the truth's parameters at the next step.
+        for run in self.runs:
+            self._caps[run.run_id].judged(step, NEXT_STEP_READS["truth"] if run.label == "truth" else ())
+        for window in self._ranks + ([self._float64] if self._float64 is not None else []):
+            window.judged(step)
+        return out
 
     def finish(self) -> list[dict]:
         """What the sources conclude once no step follows (each rank's largest distance from rank 0)."""

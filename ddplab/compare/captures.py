@@ -12,8 +12,10 @@ ranks, not with the number of steps.
 
 Both sides reuse memory the process touched already, because new memory is
 the dearest part of moving a capture: each new page is faulted in and zeroed
-(on a VM whose host reclaims freed pages, a 200 MB read into new memory took
-~0.15 s against ~0.02 s into memory read before). A rank writes a step over
+(measured on a VM whose host takes back the pages a process frees: a 300 MB
+capture read into new memory in 0.16 s, into memory read before in 0.02 s; a
+200 MB capture written into a new file's pages in 0.48 s, over a file's cached
+pages in 0.02 s). A rank writes a step over
 the file of a step nobody reads any more (:func:`recycle_capture`), and the
 parent reads a rank's captures into the storages its earlier ones no longer
 use (:class:`ReadBuffers`).
@@ -339,9 +341,9 @@ _RECYCLED = "recycled-"
 def recycle_capture(path: str, kind: str) -> None:
     """Keep the capture at ``path``, which nobody reads any more, for the next :func:`save_capture` of
     the same ``kind`` in its folder to write over, instead of deleting it. Its pages are in memory:
-    writing over them is a copy, where a new file's pages are allocated first (a rank's 200 MB
-    capture: ~0.02 s against 0.1-0.5 s measured on a VM; the same kind -- a run's rank -- writes about
-    as many bytes each step, so few pages are freed or added)."""
+    writing over them is a copy, where a new file's pages are allocated first (see the module
+    docstring). The same kind -- a run's rank -- writes about as many bytes each step, so few pages
+    are freed or added."""
     folder, name = os.path.split(path)
     os.replace(path, os.path.join(folder, f"{_RECYCLED}{kind}-{name}"))
 
@@ -472,9 +474,8 @@ def common_steps(*captures: Sequence) -> Iterator[int]:
 
 class ReadBuffers:
     """The storages one rank's captures are read into (:func:`read_capture`), each large one read into again
-    by a later capture once no tensor holds it: memory the process has touched is a copy away (a 200 MB
-    capture read in ~0.02 s), where new memory is faulted in page by page first (~0.15 s measured on a
-    VM, whose host takes back the pages a process frees). Before each read (:meth:`expect`) the storages
+    by a later capture once no tensor holds it: memory the process has touched is a copy away, where new
+    memory is faulted in page by page first (see the module docstring). Before each read (:meth:`expect`) the storages
     no tensor holds beyond what it needs, by size, are given back: what is kept is what the rank's
     captures still in memory hold and what the next read needs, never more than reading it anew."""
 
@@ -568,11 +569,14 @@ def _copy_from_mapping(into: torch.UntypedStorage, mapped: torch.UntypedStorage)
         _drop_pages(mapped.data_ptr() + start, stop - start)
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
 def _unused(storage: torch.UntypedStorage) -> bool:
     """Does no tensor (nor any other storage object) hold ``storage``'s memory? Its one reference is
     the Python object ``storage`` itself (torch's own test of a storage's liveness, as inductor's
-    cudagraph trees use it)."""
-    return torch._C._storage_Use_Count(storage._cdata) == 1
+    cudagraph trees use it). A torch without that count says no: nothing is reused."""
+    return _use_count is not None and _use_count(storage._cdata) == 1
 
 
 #: Bytes of captures (as stored on disk) a cache keeps beyond its ``size`` most recent ones: a small

@@ -686,8 +686,8 @@ class _BackwardHeap:
     faulted in and zeroed (on a VM whose host takes freed pages back, most of the reference process's
     system time). Once :meth:`keep` is called (the reference process), inside :meth:`__call__`'s block
     every allocation comes from glibc's heap, which keeps what is freed for the next ones: at 50M
-    parameters 3.8 s of system time over 10 steps instead of 10.8, the process's peak 5.3 GiB
-    instead of 4.8 (measured). No-op where the C library has no ``mallopt``."""
+    parameters 3.8 s of system time over 10 steps instead of 10.8, for a peak of 5.3 GiB instead
+    of 4.8 (what is freed stays; measured). No-op where the C library has no ``mallopt``."""
 
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
     MMAP_MAX_DEFAULT = 65536   # glibc's

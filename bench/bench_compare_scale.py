@@ -128,7 +128,7 @@ def _warm_peak(setup) -> int:
     import psutil
 
     from ddplab import compare
-    from ddplab.compare.streaming import release_freed_memory
+    from ddplab.compare.memory import release_freed_memory
 
     release_freed_memory()
     proc = psutil.Process()

@@ -358,13 +358,13 @@ def test_a_ranks_captures_are_read_into_the_storages_its_earlier_ones_no_longer_
 
 _HEAP_PROBE = """
 import resource, sys, torch
-from ddplab.compare.runners import _BACKWARD_HEAP
+from ddplab.compare.memory import BACKWARD_HEAP
 if sys.argv[1] == "keep":
-    _BACKWARD_HEAP.keep()
+    BACKWARD_HEAP.keep()
 faults = []
 for _ in range(3):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    with _BACKWARD_HEAP():
+    with BACKWARD_HEAP():
         t = torch.empty(16 * 2**20).fill_(1.0)   # 64 MiB, as a backward pass allocates a gradient
     del t
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)

@@ -11,11 +11,9 @@ the rest. The parent's memory then grows with the model and the number of
 ranks, not with the number of steps.
 
 Both sides reuse memory the process touched already, because new memory is
-the dearest part of moving a capture: each new page is faulted in and zeroed
-(measured on a VM whose host takes back the pages a process frees: a 300 MB
-capture read into new memory in 0.16 s, into memory read before in 0.02 s; a
-200 MB capture written into a new file's pages in 0.48 s, over a file's cached
-pages in 0.02 s). A rank writes a step over
+the dearest part of moving a capture (:mod:`ddplab.compare.memory`; a 200 MB
+capture written into a new file's pages took 0.48 s here, over a file's
+cached pages 0.02 s). A rank writes a step over
 the file of a step nobody reads any more (:func:`recycle_capture`), and the
 parent reads a rank's captures into the storages its earlier ones no longer
 use (:class:`ReadBuffers`).
@@ -24,18 +22,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import io
 import math
-import mmap
 import os
 import shutil
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+
+from ddplab.compare.memory import drop_pages
 
 __all__ = ["CaptureCache", "ReadBuffers", "Captures", "SPARE_BYTES", "StepRecords", "in_step", "save_capture",
            "read_capture", "capture_size", "PACKED_NUMEL", "has_step", "common_steps", "bits_view", "same_bits",
@@ -535,29 +533,6 @@ def _storage_sizes(path: str) -> list[int]:
 _MAPPED_CHUNK = 8 * 2**20
 
 
-def _page_dropper() -> Callable[[int, int], None]:
-    """``drop(address, length)``: unmap the whole pages of ``[address, address + length)`` from this process
-    (``madvise(MADV_DONTNEED)``; a no-op where libc has no madvise). Only for read-only pages of a
-    private file mapping: they read back from the file if touched again."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return lambda address, length: None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page, dontneed = mmap.PAGESIZE, getattr(mmap, "MADV_DONTNEED", 4)
-
-    def drop(address: int, length: int) -> None:
-        start = -(-address // page) * page
-        stop = (address + length) // page * page
-        if stop > start:
-            madvise(start, stop - start, dontneed)
-
-    return drop
-
-
-_drop_pages = _page_dropper()
-
-
 def _copy_from_mapping(into: torch.UntypedStorage, mapped: torch.UntypedStorage) -> None:
     """``into.copy_(mapped)`` a chunk at a time, dropping each chunk's pages of ``mapped`` (a slice of a
     file ``torch.load`` memory-mapped) once copied: the process's resident memory never holds the
@@ -566,7 +541,7 @@ def _copy_from_mapping(into: torch.UntypedStorage, mapped: torch.UntypedStorage)
     for start in range(0, size, _MAPPED_CHUNK):
         stop = min(size, start + _MAPPED_CHUNK)
         into[start:stop].copy_(mapped[start:stop])
-        _drop_pages(mapped.data_ptr() + start, stop - start)
+        drop_pages(mapped.data_ptr() + start, stop - start)
 
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)

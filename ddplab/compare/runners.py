@@ -40,7 +40,6 @@ single process would see).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import math
 import os
@@ -55,6 +54,7 @@ from ddplab.compare import sharded_optimizers
 from ddplab.compare.captures import InitialWeights, initial_weights
 from ddplab.compare.compiled import compile_wrapped, eager, outside_compile, plain_name
 from ddplab.compare.configurations import DDP, FSDP2, Configuration, Custom, Fabric, StepContext
+from ddplab.compare.memory import BACKWARD_HEAP
 from ddplab.compare.data import batch_pieces, rank_micro_batches, reference_parts, shares_world
 from ddplab.compare.setup import (Setup, SetupError, apply_before_step, cast_batch, forward_loss,
                                   global_batches, model_digest, named_trainable)
@@ -564,7 +564,7 @@ def _promise_backward(model, setup: Setup, batch: tuple, step: int, world: int, 
         loss = forward_loss(model, setup.loss, piece)
         if k > 1:
             loss = loss / k
-        with _BACKWARD_HEAP():
+        with BACKWARD_HEAP():
             loss.backward()
         total += float(loss.detach())
     for p in model.parameters():
@@ -612,7 +612,7 @@ def _reference_steps(setup: Setup, spec: RunSpec, batches: list, root: str, writ
             losses = [_reference_loss(model, named, setup, spec, part) for part in parts]
             loss = losses[0] if len(losses) == 1 else sum(losses) / len(losses)
         if isinstance(loss, torch.Tensor):
-            with _BACKWARD_HEAP():
+            with BACKWARD_HEAP():
                 loss.backward()
         apply_before_step(setup, model)
         optimizer.step()
@@ -679,52 +679,13 @@ def first_capture_sizes(setup: Setup, runs: list[RunSpec]) -> dict[str, int]:
                 for spec in runs if not spec.promise}
 
 
-class _BackwardHeap:
-    """Where this process's backward passes allocate. By default glibc maps a block beyond its mmap
-    threshold (at most 32 MiB) for it alone and unmaps it when freed, so a reference run's model-sized
-    gradients -- new every step: ``zero_grad`` sets them to None -- are new pages every step, each
-    faulted in and zeroed (on a VM whose host takes freed pages back, most of the reference process's
-    system time). Once :meth:`keep` is called (the reference process), inside :meth:`__call__`'s block
-    every allocation comes from glibc's heap, which keeps what is freed for the next ones: at 50M
-    parameters 3.8 s of system time over 10 steps instead of 10.8, for a peak of 5.3 GiB instead
-    of 4.8 (what is freed stays; measured). No-op where the C library has no ``mallopt``."""
-
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    MMAP_MAX_DEFAULT = 65536   # glibc's
-
-    def __init__(self):
-        self._mallopt = None
-
-    def keep(self) -> None:
-        """From now on, backward passes allocate from the heap, and the heap keeps what is freed."""
-        try:
-            self._mallopt = ctypes.CDLL(None).mallopt
-        except (OSError, AttributeError):
-            return
-        self._mallopt(self.M_TRIM_THRESHOLD, 2**31 - 1)   # the largest it takes: an int
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        if self._mallopt is None:
-            yield
-            return
-        self._mallopt(self.M_MMAP_MAX, 0)
-        try:
-            yield
-        finally:
-            self._mallopt(self.M_MMAP_MAX, self.MMAP_MAX_DEFAULT)
-
-
-_BACKWARD_HEAP = _BackwardHeap()
-
-
 def reference_worker(setup: Setup, runs: list[RunSpec], steps: int, root: str, digest: str,
                      judge=None) -> None:
     """Rank 0 of a 1-rank launch: :func:`train_references`, in a process that first checks it builds
     the model whose weights have ``digest`` (a model seeded from the process, its pid or the clock,
     would start every rank elsewhere). The model it checks is the first run's. Its backward passes
-    allocate where the last ones freed (:class:`_BackwardHeap`)."""
-    _BACKWARD_HEAP.keep()
+    allocate where the last ones freed (:data:`ddplab.compare.memory.BACKWARD_HEAP`)."""
+    BACKWARD_HEAP.keep()
     model = setup.build_model()
     if model_digest(model) != digest:
         raise SetupError(DIFFERENT_MODEL)

@@ -27,14 +27,13 @@ first step where a value turned non-finite).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from ddplab.compare.captures import CaptureCache, Captures, recycle_capture, remove_recycled
+from ddplab.compare.memory import release_freed_memory
 
 __all__ = ["LAG", "NEXT_STEP_READS", "wait_for_parent", "released", "ended", "judged_path", "freed_path", "LiveRun",
            "LiveCaptures", "Pass", "ScratchFull", "disk_full"]
@@ -52,25 +51,6 @@ NEXT_STEP_READS = {"configuration": ("params", "optimizer"), "truth": ("params",
 _ENDED = "ended"
 #: The judged step that lets a rank run to its end: nothing judges its steps any more.
 _NEVER_WAIT = 2**62
-
-
-def _glibc_trim() -> Callable[[], None]:
-    """glibc's ``malloc_trim(0)``, or a no-op elsewhere."""
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return lambda: None
-
-    def release() -> None:
-        trim(0)
-
-    return release
-
-
-#: Give the memory of a judged step back to the system. glibc serves tensors below its mmap threshold
-#: (which grows to 32 MiB as large blocks are freed) from its heap and keeps what is freed there: without
-#: this a 10M-parameter comparison's parent grew ~7 model sizes more (measured).
-release_freed_memory = _glibc_trim()
 
 
 class ScratchFull(RuntimeError):
